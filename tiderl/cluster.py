@@ -1,0 +1,117 @@
+"""Device pool and roles: which devices hold rollout ranks, the Actor and the Ref.
+
+The plan itself is pure data (device indices per role) so it can be validated before JAX starts;
+`init_jax` and `role_meshes` turn it into devices and meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+from tiderl.configlib import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the job runs."""
+
+    platform: Literal["auto", "cpu", "gpu"] = "auto"
+    fake_cpu_devices: int = 0
+    """> 0: run on that many fake CPU devices (tests, laptops); sets jax_num_cpu_devices."""
+    colocate_rollout: bool = False
+    """Rollout and training share all devices and alternate (the `sync` baseline)."""
+
+    def __post_init__(self):
+        if self.fake_cpu_devices < 0:
+            raise ConfigError("config key 'cluster.fake_cpu_devices' must be >= 0")
+        if self.fake_cpu_devices and self.platform == "gpu":
+            raise ConfigError("config key 'cluster.fake_cpu_devices' needs cluster.platform "
+                              "'cpu' or 'auto'; set one of them")
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """Device indices per role. `ref` empty means the Ref is colocated with the Actor."""
+
+    n_devices: int
+    rollout: tuple[tuple[int, ...], ...]
+    actor: tuple[int, ...]
+    ref: tuple[int, ...]
+
+    def describe(self) -> str:
+        lines = [f"{self.n_devices} devices"]
+        for i, devs in enumerate(self.rollout):
+            lines.append(f"  rollout rank {i}: {list(devs)}")
+        lines.append(f"  actor: {list(self.actor)}")
+        lines.append(f"  ref:   {list(self.ref) if self.ref else 'colocated with actor'}")
+        return "\n".join(lines)
+
+
+def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_devices: int,
+                 ref_devices: int, colocate_rollout: bool = False) -> DevicePlan:
+    """Lays roles onto devices in order: rollout ranks, then Actor, then Ref.
+
+    Raises ConfigError naming the keys when the roles need more devices than there are.
+    """
+    need_rollout = ranks * devices_per_rank
+    if colocate_rollout:
+        need = max(need_rollout, actor_devices + ref_devices)
+        if need > n_devices:
+            raise ConfigError(
+                f"config keys 'rollout.ranks'={ranks} × rollout.devices_per_rank="
+                f"{devices_per_rank} / trainer.actor_devices={actor_devices} + "
+                f"trainer.ref_devices={ref_devices} need {need} devices but {n_devices} are "
+                "visible; lower them or raise cluster.fake_cpu_devices"
+            )
+        rollout = tuple(tuple(range(r * devices_per_rank, (r + 1) * devices_per_rank))
+                        for r in range(ranks))
+        actor = tuple(range(actor_devices))
+        ref = tuple(range(actor_devices, actor_devices + ref_devices))
+        return DevicePlan(n_devices, rollout, actor, ref)
+    need = need_rollout + actor_devices + ref_devices
+    if need > n_devices:
+        raise ConfigError(
+            f"config key 'rollout.ranks'={ranks}: rollout.ranks × rollout.devices_per_rank "
+            f"({need_rollout}) + trainer.actor_devices ({actor_devices}) + trainer.ref_devices "
+            f"({ref_devices}) = {need} devices, but {n_devices} are visible; lower rollout.ranks "
+            "or the trainer devices, or raise cluster.fake_cpu_devices"
+        )
+    rollout = tuple(tuple(range(r * devices_per_rank, (r + 1) * devices_per_rank))
+                    for r in range(ranks))
+    actor = tuple(range(need_rollout, need_rollout + actor_devices))
+    ref = tuple(range(need_rollout + actor_devices, need))
+    return DevicePlan(n_devices, rollout, actor, ref)
+
+
+def init_jax(cfg: ClusterConfig) -> list[jax.Device]:
+    """Configures and starts JAX per `cfg`; returns the visible devices."""
+    import jax
+
+    if cfg.fake_cpu_devices:
+        # Must happen before the backend starts; XLA_FLAGS after import are ignored.
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", cfg.fake_cpu_devices)
+    elif cfg.platform != "auto":
+        jax.config.update("jax_platforms", cfg.platform)
+    return list(jax.devices())
+
+
+def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,
+                model_parallel: int = 1) -> dict[str, Mesh | list[Mesh]]:
+    """Meshes per role: one per rollout rank, the actor mesh, and the ref mesh (or the actor's)."""
+    from tiderl.models.sharding import make_mesh
+
+    def pick(idx: tuple[int, ...]) -> list[jax.Device]:
+        return [devices[i] for i in idx]
+
+    n_actor = len(plan.actor)
+    actor = make_mesh(pick(plan.actor), data=n_actor // (fsdp * model_parallel), fsdp=fsdp,
+                      model=model_parallel)
+    ref = make_mesh(pick(plan.ref), data=len(plan.ref)) if plan.ref else actor
+    rollout = [make_mesh(pick(r), model=len(r)) for r in plan.rollout]
+    return {"rollout": rollout, "actor": actor, "ref": ref}

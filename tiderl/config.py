@@ -1,0 +1,88 @@
+"""The run config: component configs composed into one tree, YAML presets, dotted overrides.
+
+No JAX here: launch validates everything (device plan included, given a device count) before
+any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiderl.cluster import ClusterConfig, DevicePlan, plan_devices
+from tiderl.configlib import (
+    ConfigError,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_yaml,
+    merge,
+    to_dict,
+)
+from tiderl.control.config import ControllerConfig
+from tiderl.envs.config import EnvConfig
+from tiderl.models.config import ModelConfig
+from tiderl.serving.config import RolloutConfig
+from tiderl.train.config import TrainerConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one `python -m tiderl.launch` run needs."""
+
+    seed: int = 0
+    run_dir: str = "runs/default"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        if self.rollout.max_context > self.model.max_seq_len:
+            raise ConfigError(
+                f"config key 'rollout.max_context'={self.rollout.max_context} exceeds "
+                f"model.max_seq_len={self.model.max_seq_len}; lower rollout.max_context or "
+                "raise model.max_seq_len"
+            )
+        pages_needed = -(-self.rollout.max_context // self.rollout.page_size)
+        if pages_needed > self.rollout.num_pages:
+            raise ConfigError(
+                f"config key 'rollout.num_pages'={self.rollout.num_pages} cannot hold one "
+                f"{self.rollout.max_context}-token context ({pages_needed} pages of "
+                f"{self.rollout.page_size}); raise rollout.num_pages or lower rollout.max_context"
+            )
+
+    def device_plan(self, n_devices: int) -> DevicePlan:
+        colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"
+        return plan_devices(
+            n_devices,
+            ranks=self.rollout.ranks,
+            devices_per_rank=self.rollout.devices_per_rank,
+            actor_devices=self.trainer.actor_devices,
+            ref_devices=self.trainer.ref_devices,
+            colocate_rollout=colocate,
+        )
+
+    def to_yaml(self) -> str:
+        return dump_yaml(self)
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults ← YAML preset at `path` ← dotted `overrides`; validated, or ConfigError."""
+    data: dict[str, Any] = load_yaml(path) if path else {}
+    data = apply_overrides(RunConfig, data, overrides)
+    return from_dict(RunConfig, data)
+
+
+def default_preset() -> str:
+    """The embedded default preset (configs/default.yaml next to the package, if shipped)."""
+    return str(CONFIG_DIR / "default.yaml")
+
+
+__all__ = ["ConfigError", "RunConfig", "load_config", "merge", "to_dict"]
