@@ -40,15 +40,15 @@ class AttentionCache(Protocol):
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], std: float,
            dtype: Any) -> nnx.Param:
     value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def _ones(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype), sharding=names, eager_sharding=False)
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=names, eager_sharding=False)
 
 
 def _zeros(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype), sharding=names, eager_sharding=False)
+    return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
 
 
 class Attention(nnx.Module):
