@@ -21,8 +21,9 @@ class ClusterConfig:
     """Where the job runs."""
 
     platform: Literal["auto", "cpu", "gpu"] = "auto"
-    fake_cpu_devices: int = 0
-    """> 0: run on that many fake CPU devices (tests, laptops); sets jax_num_cpu_devices."""
+    fake_cpu_devices: int = 2
+    """> 0: when JAX runs on the CPU, split it into this many devices (laptops, tests); sets
+    jax_num_cpu_devices. Ignored when a GPU backend is picked."""
     colocate_rollout: bool = False
     """Rollout and training share all devices and alternate (the `sync` baseline)."""
 
@@ -92,12 +93,12 @@ def init_jax(cfg: ClusterConfig) -> list[jax.Device]:
     """Configures and starts JAX per `cfg`; returns the visible devices."""
     import jax
 
-    if cfg.fake_cpu_devices:
-        # Must happen before the backend starts; XLA_FLAGS after import are ignored.
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", cfg.fake_cpu_devices)
-    elif cfg.platform != "auto":
+    if cfg.platform != "auto":
         jax.config.update("jax_platforms", cfg.platform)
+    if cfg.fake_cpu_devices:
+        # Must happen before the backend starts (XLA_FLAGS after import are ignored); it only
+        # shapes the CPU client, so it is harmless where a GPU backend wins.
+        jax.config.update("jax_num_cpu_devices", cfg.fake_cpu_devices)
     return list(jax.devices())
 
 

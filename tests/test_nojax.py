@@ -1,0 +1,42 @@
+"""The control plane imports without JAX (DESIGN §3, STYLE rule 2): checked in a subprocess."""
+
+import importlib.util
+import subprocess
+import sys
+
+NO_JAX = [
+    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster",
+    "tiderl.models", "tiderl.models.config", "tiderl.models.tokenizer",
+    "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
+    "tiderl.control.metrics", "tiderl.control.config",
+    "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
+    "tiderl.envs.config", "tiderl.sim",
+    "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
+    "tiderl.serving.pages",
+    "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
+]
+
+
+def existing(names):
+    out = []
+    for n in names:
+        try:
+            if importlib.util.find_spec(n) is not None:
+                out.append(n)
+        except ModuleNotFoundError:
+            pass
+    return out
+
+
+def test_control_plane_imports_without_jax():
+    mods = existing(NO_JAX)
+    assert "tiderl.config" in mods and "tiderl.models.tokenizer" in mods
+    code = (
+        "import sys, importlib\n"
+        f"for m in {mods!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'jaxlib') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+        "print(len(" + repr(mods) + "))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
