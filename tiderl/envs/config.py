@@ -3,8 +3,46 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from tiderl.configlib import ConfigError
+
+SUITES = ("default", "gym", "textworld", "textarena")
+
+
+def _positive(section: str, name: str, value: float, fix: str = "") -> None:
+    if value <= 0:
+        raise ConfigError(f"config key '{section}.{name}' must be positive, got {value!r}"
+                          + (f"; {fix}" if fix else ""))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatencyConfig:
+    """Injected per-step environment latency (server side), seeded per task and turn."""
+
+    dist: Literal["none", "lognormal", "pareto"] = "none"
+    """'lognormal' (median, sigma) or 'pareto' (scale, alpha); 'none' adds nothing."""
+    median_s: float = 0.05
+    """Lognormal median (exp(mu)) in seconds."""
+    sigma: float = 0.5
+    """Lognormal shape (std of log latency)."""
+    scale_s: float = 0.02
+    """Pareto minimum x_m in seconds."""
+    alpha: float = 2.0
+    """Pareto tail index (> 1 for a finite mean)."""
+    start_factor: float = 1.0
+    """Multiplier for /start (reset is often slower than a step, e.g. TextWorld compiles)."""
+    cap_s: float = 30.0
+    """Upper clip of one sample, so a heavy tail cannot stall a test or a run."""
+    seed: int = 0
+    """Mixed with each task's id and turn: the same task sees the same delays."""
+
+    def __post_init__(self):
+        for name in ("median_s", "sigma", "scale_s", "alpha", "cap_s"):
+            _positive("env.latency", name, getattr(self, name))
+        if self.start_factor < 0:
+            raise ConfigError(f"config key 'env.latency.start_factor' must be >= 0, got "
+                              f"{self.start_factor}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,7 +58,78 @@ class EnvConfig:
     concurrency: int = 64
     """Max concurrent env sessions (requests in flight) from this job."""
 
+    # -- client --
+    connect_timeout_s: float = 5.0
+    """TCP connect timeout of one HTTP attempt."""
+    request_timeout_s: float = 60.0
+    """Total time of one HTTP attempt (connect + server work + reply)."""
+    call_deadline_s: float = 180.0
+    """Cap on one client call including all retries and backoff; then timeout/env_error."""
+    retries: int = 3
+    """Extra attempts after the first on connection errors, timeouts, 429, 502, 503."""
+    backoff_s: float = 0.2
+    """First retry delay; doubles each retry (with jitter) up to backoff_max_s."""
+    backoff_max_s: float = 5.0
+    """Largest single retry delay."""
+
+    # -- server --
+    host: str = "127.0.0.1"
+    """Address the env server binds; loopback unless you mean to expose it."""
+    port: int = 0
+    """Port the env server binds; 0 picks a free one."""
+    max_sessions: int = 4096
+    """Live (active or paused) sessions the server holds; /start beyond it answers 429."""
+    idle_timeout_s: float = 300.0
+    """A session with no request for this long is reaped; the clock stops while paused."""
+    max_pause_s: float = 86400.0
+    """A paused session is reaped after this long paused (guards against a dead controller)."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body the server reads; larger ones answer 413."""
+    max_action_chars: int = 4096
+    """Longest action string accepted by /observation; longer ones answer 413."""
+    max_turns: int = 256
+    """Server-side turn cap: the episode is done after this many /observation calls."""
+    latency: LatencyConfig = dataclasses.field(default_factory=LatencyConfig)
+    """Injected per-step latency, to mimic slow environments (WebShop, ALFWorld)."""
+
+    # -- tasks --
+    group_size: int = 8
+    """Tasks per group (GRPO siblings sharing one env seed)."""
+    train_groups: int = 100_000
+    """Distinct groups in the train split (the stream repeats it epoch after epoch)."""
+    eval_groups: int = 64
+    """Distinct groups in the eval split (disjoint seeds from train)."""
+    task_seed: int = 0
+    """Base of the suite-specific seeds and of the stream's shuffle."""
+    options: tuple[str, ...] = ()
+    """Suite options as 'key=value' strings, e.g. ('n=8', 'guesses=3') or ('game=Taxi-v4')."""
+
     def __post_init__(self):
+        if self.suite not in SUITES:
+            raise ConfigError(f"config key 'env.suite': {self.suite!r} is not a known suite; "
+                              f"set env.suite to one of {', '.join(SUITES)}")
         if self.concurrency <= 0:
             raise ConfigError(f"config key 'env.concurrency' must be positive, got "
                               f"{self.concurrency}")
+        for name in ("connect_timeout_s", "request_timeout_s", "call_deadline_s", "backoff_s",
+                     "backoff_max_s", "idle_timeout_s", "max_pause_s"):
+            _positive("env", name, getattr(self, name))
+        for name in ("max_sessions", "max_request_bytes", "max_action_chars", "max_turns",
+                     "group_size", "train_groups", "eval_groups"):
+            _positive("env", name, getattr(self, name))
+        if self.retries < 0:
+            raise ConfigError(f"config key 'env.retries' must be >= 0, got {self.retries}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"config key 'env.port' must be in 0..65535, got {self.port}")
+        if self.call_deadline_s < self.request_timeout_s:
+            raise ConfigError(
+                f"config key 'env.call_deadline_s'={self.call_deadline_s} is below "
+                f"env.request_timeout_s={self.request_timeout_s}; raise env.call_deadline_s")
+        for opt in self.options:
+            if "=" not in opt or not opt.split("=", 1)[0].strip():
+                raise ConfigError(f"config key 'env.options': {opt!r} is not 'key=value'; "
+                                  "write e.g. env.options=[n=8,guesses=3]")
+
+    def option_dict(self) -> dict[str, str]:
+        """`options` as a dict of strings (suites parse their own values)."""
+        return {k.strip(): v.strip() for k, v in (o.split("=", 1) for o in self.options)}

@@ -1,0 +1,61 @@
+"""`python -m tiderl.envs serve --suite NAME --host 127.0.0.1 --port N`: run an env server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from tiderl.configlib import ConfigError, apply_overrides, from_dict
+from tiderl.envs.config import EnvConfig
+
+
+def parse(argv: list[str] | None = None) -> EnvConfig:
+    p = argparse.ArgumentParser(prog="python -m tiderl.envs", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve one env suite over HTTP")
+    s.add_argument("--suite", default="default", help="default | gym | textworld | textarena")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (printed)")
+    s.add_argument("--token", default="", help="require this bearer token on every route")
+    s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="suite option, repeatable (e.g. --option game=Taxi-v4)")
+    s.add_argument("overrides", nargs="*", metavar="env.KEY=VALUE",
+                   help="EnvConfig overrides, e.g. idle_timeout_s=60 latency.dist=lognormal")
+    args = p.parse_args(argv)
+    data = {"suite": args.suite, "host": args.host, "port": args.port, "token": args.token,
+            "options": list(args.option)}
+    overrides = [o.removeprefix("env.") for o in args.overrides]
+    return from_dict(EnvConfig, apply_overrides(EnvConfig, data, overrides), prefix="env")
+
+
+async def serve(cfg: EnvConfig) -> None:
+    from tiderl.envs.server import EnvServer
+    from tiderl.envs.suites import adapter_class
+
+    server = EnvServer(adapter_class(cfg.suite), cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with server.serve() as url:
+        # The first stdout line is the URL, so scripts can start us on port 0 and read it.
+        print(f"tiderl env server: suite={cfg.suite} url={url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

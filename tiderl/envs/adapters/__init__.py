@@ -1,0 +1,1 @@
+"""Environment adapters: one class per suite behind `tiderl.envs.adapters.base.Adapter`."""

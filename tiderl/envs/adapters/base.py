@@ -1,0 +1,74 @@
+"""The adapter interface every environment suite implements behind the HTTP server. No JAX."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+
+class TaskError(ValueError):
+    """The task spec itself is wrong (the caller's fault): the server answers 422, not 500."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one action produced."""
+
+    observation: str
+    done: bool
+    reward: float | None = None
+
+
+class Adapter(abc.ABC):
+    """One live environment episode: reset -> step* -> close, with optional pause/resume.
+
+    The server makes one adapter per session and never calls it concurrently. Methods are plain
+    (sync) calls; adapters whose calls block for long (TextWorld compiles a game on reset) set
+    `blocking = True` and the server runs them in a worker thread so other sessions keep going.
+    Exceptions are the environment's failure: the server answers 500 and closes the session.
+    """
+
+    blocking: ClassVar[bool] = False
+
+    def __init__(self, options: Mapping[str, str] | None = None):
+        self.options = dict(options or {})
+
+    @classmethod
+    def task_fields(cls, seed: int, options: Mapping[str, str]) -> dict[str, Any]:
+        """Suite-specific fields of a task spec for env seed `seed` (used by task sources)."""
+        return {"seed": seed}
+
+    @abc.abstractmethod
+    def reset(self, task: Mapping[str, Any]) -> str:
+        """Starts the episode described by `task`; returns the first observation."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> Step:
+        """Applies one action."""
+
+    @abc.abstractmethod
+    def close(self) -> tuple[float, dict[str, Any]]:
+        """Ends the episode (done or not); returns (final reward, JSON-able info)."""
+
+    def pause(self) -> None:
+        """The task is parked by the scheduler; stop any env-internal clocks."""
+
+    def resume(self) -> None:
+        """The task continues after a pause."""
+
+
+def int_option(options: Mapping[str, Any], name: str, default: int, *, lo: int = 1,
+               hi: int = 1 << 30, where: str = "task") -> int:
+    """An integer option from a task spec or suite options, checked against [lo, hi]."""
+    raw = options.get(name, default)
+    try:
+        value = int(raw)
+        if isinstance(raw, float) and raw != value:
+            raise ValueError(raw)
+    except (TypeError, ValueError):
+        raise TaskError(f"{where} field '{name}' must be an integer, got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise TaskError(f"{where} field '{name}'={value} is out of range {lo}..{hi}")
+    return value

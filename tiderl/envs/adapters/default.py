@@ -1,0 +1,86 @@
+"""The default task: guess a hidden number with higher/lower feedback. No JAX, no deps.
+
+Built so a ~100k-parameter decoder trained from scratch on CPU can learn it in minutes, and so
+that learning is *provably* closed-loop: with n=8 and 3 guesses a uniformly random guesser wins
+169/512 = 33.0% of episodes, the best policy that ignores observations wins 3/8 = 37.5% (three
+distinct guesses), and binary search on the feedback wins 7/8 = 87.5%. Success above 37.5% can
+only come from reading the feedback. `benchmarks/default_task.py` measures all three exactly.
+
+Actions are one token under the byte tokenizer (a digit); observations are one short word.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from tiderl.envs.adapters.base import Adapter, Step, int_option
+
+FIRST = "guess 1-{n}"
+HIGHER, LOWER, CORRECT, INVALID, LOST = "higher", "lower", "correct", "invalid", "lost"
+
+
+def target_of(seed: int, n: int) -> int:
+    """The hidden number of env seed `seed` (uniform over 1..n across seeds)."""
+    return random.Random(seed).randrange(n) + 1
+
+
+def parse_guess(action: str, n: int) -> int | None:
+    """The guessed number, or None when the action is not exactly one integer in 1..n."""
+    text = action.strip()
+    if not text.isdigit():
+        return None
+    value = int(text)
+    return value if 1 <= value <= n else None
+
+
+class GuessNumber(Adapter):
+    """Guess the number in 1..n within `guesses` tries; reward 1 on a hit, else 0."""
+
+    def __init__(self, options: Mapping[str, str] | None = None):
+        super().__init__(options)
+        self.n = int_option(self.options, "n", 8, lo=2, hi=9, where="suite option")
+        self.guesses = int_option(self.options, "guesses", 3, lo=1, hi=64, where="suite option")
+        self.target = 0
+        self.used = 0
+        self.success = False
+        self.history: list[str] = []
+
+    @classmethod
+    def task_fields(cls, seed: int, options: Mapping[str, str]) -> dict[str, Any]:
+        fields: dict[str, Any] = {"seed": seed}
+        for name in ("n", "guesses"):
+            if name in options:
+                fields[name] = int(options[name])
+        return fields
+
+    def reset(self, task: Mapping[str, Any]) -> str:
+        # n <= 9 keeps every action a single digit, i.e. one byte token.
+        self.n = int_option(task, "n", self.n, lo=2, hi=9)
+        self.guesses = int_option(task, "guesses", self.guesses, lo=1, hi=64)
+        seed = int_option(task, "seed", 0, lo=0, hi=(1 << 63) - 1)
+        self.target = int_option(task, "target", target_of(seed, self.n), lo=1, hi=self.n)
+        self.used = 0
+        self.success = False
+        self.history = []
+        return FIRST.format(n=self.n)
+
+    def step(self, action: str) -> Step:
+        if self.success or self.used >= self.guesses:
+            raise RuntimeError("step after the episode ended (a bug in the caller or server)")
+        self.used += 1
+        guess = parse_guess(action, self.n)
+        self.history.append(action[:16])
+        if guess == self.target:
+            self.success = True
+            return Step(CORRECT, True, 1.0)
+        if self.used >= self.guesses:
+            return Step(LOST, True, 0.0)
+        if guess is None:
+            return Step(INVALID, False, 0.0)
+        return Step(HIGHER if self.target > guess else LOWER, False, 0.0)
+
+    def close(self) -> tuple[float, dict[str, Any]]:
+        return (1.0 if self.success else 0.0,
+                {"success": self.success, "target": self.target, "guesses_used": self.used})

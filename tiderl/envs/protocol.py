@@ -1,0 +1,191 @@
+"""The env HTTP protocol: request/response schemas, EndReason, and request validation. No JAX.
+
+JSON over HTTP (DESIGN §4 "Env protocol"):
+
+    POST /start       {task, request_id?}            -> {session, observation}
+    POST /observation {session, action, request_id?} -> {observation, done, reward, turn}
+    POST /end         {session, request_id?}         -> {reward, info}
+    POST /pause       {session}                      -> {session, paused: true}
+    POST /resume      {session}                      -> {session, paused: false}
+    GET  /health                                     -> {status, sessions, paused, ...}
+    GET  /metrics                                    -> Prometheus text
+
+Errors are `{"error": message}` with a 4xx (the caller's fault) or 500 (the environment's).
+`request_id` is an idempotency key: a retried request with the same key gets the first reply
+instead of being applied twice, which is what makes client retries of /observation safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+
+class EndReason(enum.StrEnum):
+    """Why a task's trajectory ended; env failures are values, not exceptions."""
+
+    done = "done"
+    turn_limit = "turn_limit"
+    context_limit = "context_limit"
+    env_error = "env_error"
+    timeout = "timeout"
+    cancelled = "cancelled"
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; `status` is the HTTP code, the message names the fix."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+MAX_ID_CHARS = 128
+
+
+def _require_object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ProtocolError(400, f"request body must be a JSON object, got "
+                                 f"{type(body).__name__}; send e.g. {{\"session\": \"...\"}}")
+    return body
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type, *, required: bool = True) -> Any:
+    if name not in body:
+        if required:
+            raise ProtocolError(400, f"missing field '{name}' ({kind.__name__}); add it to "
+                                     "the request body")
+        return None
+    value = body[name]
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is dict and isinstance(value, Mapping):
+        return value
+    raise ProtocolError(422, f"field '{name}' must be a {'JSON object' if kind is dict else 'string'}"
+                             f", got {type(value).__name__}")
+
+
+def _id(body: Mapping[str, Any], name: str, *, required: bool) -> str | None:
+    value = _field(body, name, str, required=required)
+    if value is not None and not 0 < len(value) <= MAX_ID_CHARS:
+        raise ProtocolError(422, f"field '{name}' must be 1..{MAX_ID_CHARS} characters, got "
+                                 f"{len(value)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StartRequest:
+    task: dict[str, Any]
+    request_id: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any) -> StartRequest:
+        body = _require_object(body)
+        return cls(task=dict(_field(body, "task", dict)),
+                   request_id=_id(body, "request_id", required=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    session: str
+    action: str
+    request_id: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any, *, max_action_chars: int) -> StepRequest:
+        body = _require_object(body)
+        session = _id(body, "session", required=True)
+        action = _field(body, "action", str)
+        if len(action) > max_action_chars:
+            raise ProtocolError(413, f"field 'action' has {len(action)} characters, over the "
+                                     f"limit of {max_action_chars}; shorten the action or raise "
+                                     "env.max_action_chars on the server")
+        return cls(session=session, action=action,
+                   request_id=_id(body, "request_id", required=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionRequest:
+    """Body of /end, /pause and /resume."""
+
+    session: str
+    request_id: str | None = None
+
+    @classmethod
+    def parse(cls, body: Any) -> SessionRequest:
+        body = _require_object(body)
+        return cls(session=_id(body, "session", required=True),
+                   request_id=_id(body, "request_id", required=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class StartResult:
+    """Reply to /start, or why it failed (`reason` set, `session` empty)."""
+
+    session: str = ""
+    observation: str = ""
+    reason: EndReason | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """Reply to /observation, or why it failed (`reason` set, `done` true)."""
+
+    observation: str = ""
+    done: bool = False
+    reward: float | None = None
+    turn: int = 0
+    reason: EndReason | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclasses.dataclass(frozen=True)
+class EndResult:
+    """Reply to /end: the episode's final reward and the adapter's info, or why it failed."""
+
+    reward: float = 0.0
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reason: EndReason | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpResult:
+    """Reply to /pause, /resume (and /health): ok, or why not."""
+
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
+    reason: EndReason | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+__all__ = [
+    "EndReason",
+    "EndResult",
+    "OpResult",
+    "ProtocolError",
+    "SessionRequest",
+    "StartRequest",
+    "StartResult",
+    "StepRequest",
+    "StepResult",
+]

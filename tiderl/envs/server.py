@@ -1,0 +1,444 @@
+"""aiohttp env server hosting any adapter behind the env protocol (see protocol.py). No JAX.
+
+Sessions live in memory. Each session's requests are serialised by its own lock; the adapter of
+a session is never called concurrently. A reaper closes sessions idle for `idle_timeout_s`; the
+idle clock stops while a session is paused (the point of /pause: CTB may park a task for long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import prometheus_client as prom
+from aiohttp import web
+
+from tiderl.envs.adapters.base import Adapter, TaskError
+from tiderl.envs.config import EnvConfig
+from tiderl.envs.latency import LatencyModel
+from tiderl.envs.protocol import ProtocolError, SessionRequest, StartRequest, StepRequest
+
+_TOMBSTONES = 65536  # ended sessions remembered, so late requests get 410 rather than 404
+_START_REPLIES = 8192  # /start replies kept for idempotent retries
+
+
+@dataclasses.dataclass
+class _Session:
+    id: str
+    task_id: str
+    adapter: Adapter
+    lock: asyncio.Lock
+    last_active: float
+    paused: bool = False
+    paused_at: float = 0.0
+    busy: int = 0
+    turn: int = 0
+    done: bool = False
+    last_request_id: str | None = None
+    last_reply: tuple[int, dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass
+class _Tombstone:
+    why: str
+    end_request_id: str | None = None
+    end_reply: tuple[int, dict[str, Any]] | None = None
+
+
+class _Metrics:
+    """Prometheus metrics on a registry of this server's own (several servers per process)."""
+
+    def __init__(self) -> None:
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+        self.requests = prom.Counter("tiderl_env_requests", "HTTP requests",
+                                     ["route", "status"], registry=r)
+        self.started = prom.Counter("tiderl_env_sessions_started", "sessions started",
+                                    registry=r)
+        self.ended = prom.Counter("tiderl_env_sessions_ended", "sessions ended", ["why"],
+                                  registry=r)
+        self.live = prom.Gauge("tiderl_env_sessions_live", "live sessions", registry=r)
+        self.paused = prom.Gauge("tiderl_env_sessions_paused", "paused sessions", registry=r)
+        self.step_s = prom.Histogram("tiderl_env_step_seconds", "server time per /observation",
+                                     registry=r)
+
+
+class EnvServer:
+    """Hosts `adapter_cls` sessions; `app` is the aiohttp application, `serve()` runs it."""
+
+    def __init__(self, adapter_cls: type[Adapter] | Callable[..., Adapter], cfg: EnvConfig,
+                 *, options: Mapping[str, str] | None = None, suite: str | None = None,
+                 workers: int = 8):
+        self.cfg = cfg
+        self.suite = suite or cfg.suite
+        self._make = adapter_cls
+        self._options = dict(cfg.option_dict() if options is None else options)
+        try:  # bad suite options fail here, at startup, not at the first /start
+            self._make(self._options)
+        except TaskError as e:
+            raise ValueError(f"env.options {self._options}: {e}; fix env.options") from e
+        self._latency = LatencyModel(cfg.latency)
+        self._sessions: dict[str, _Session] = {}
+        self._tombs: collections.OrderedDict[str, _Tombstone] = collections.OrderedDict()
+        self._start_replies: collections.OrderedDict[str, dict[str, Any]] = (
+            collections.OrderedDict())
+        self._start_inflight: dict[str, asyncio.Future] = {}
+        self._starting = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "tiderl-env")
+        self._t0 = time.monotonic()
+        self.metrics = _Metrics()
+        self.app = web.Application(client_max_size=cfg.max_request_bytes,
+                                   middlewares=[self._errors, self._auth])
+        self.app.add_routes([
+            web.post("/start", self._start), web.post("/observation", self._step),
+            web.post("/end", self._end), web.post("/pause", self._pause),
+            web.post("/resume", self._resume), web.get("/health", self._health),
+            web.get("/metrics", self._metrics),
+        ])
+        self.app.cleanup_ctx.append(self._reaper_ctx)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @contextlib.asynccontextmanager
+    async def serve(self, host: str | None = None, port: int | None = None
+                    ) -> AsyncIterator[str]:
+        """Runs the server; yields its base URL (port 0 resolved to the bound port)."""
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host or self.cfg.host,
+                           self.cfg.port if port is None else port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]  # aiohttp exposes no getter
+        bound_host, bound_port = sock.getsockname()[:2]
+        try:
+            yield f"http://{bound_host}:{bound_port}"
+        finally:
+            await runner.cleanup()
+
+    async def _reaper_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._reaper())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for s in list(self._sessions.values()):
+            await self._close(s, "server shutdown")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _reaper(self) -> None:
+        period = min(self.cfg.idle_timeout_s, self.cfg.max_pause_s) / 4
+        period = min(max(period, 0.01), 1.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for s in list(self._sessions.values()):
+                if s.busy:
+                    continue
+                if s.paused and now - s.paused_at > self.cfg.max_pause_s:
+                    await self._close(s, f"reaped after {self.cfg.max_pause_s:g}s paused "
+                                         "(env.max_pause_s)")
+                elif not s.paused and now - s.last_active > self.cfg.idle_timeout_s:
+                    await self._close(s, f"reaped after {self.cfg.idle_timeout_s:g}s idle "
+                                         "(env.idle_timeout_s)")
+
+    # ---------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        route = request.path if request.path in _ROUTES else "other"
+        try:
+            response = await handler(request)
+        except ProtocolError as e:
+            headers = {"Retry-After": "1"} if e.status == 429 else None
+            response = _json({"error": e.message}, e.status, headers=headers)
+        except web.HTTPException as e:
+            if e.status == 413:
+                msg = (f"request body exceeds the limit of {self.cfg.max_request_bytes} bytes; "
+                       "send less or raise env.max_request_bytes on the server")
+            elif e.status == 405:
+                msg = f"method {request.method} not allowed on {request.path}"
+            elif e.status == 404:
+                msg = f"no route {request.path}; routes are {', '.join(sorted(_ROUTES))}"
+            else:
+                msg = e.text or e.reason
+            response = _json({"error": msg}, e.status, headers=_plain_headers(e))
+        self.metrics.requests.labels(route, str(response.status)).inc()
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        token = self.cfg.token
+        if token:
+            got = request.headers.get("Authorization", "")
+            if not got:
+                raise ProtocolError(401, "missing 'Authorization: Bearer <token>' header; this "
+                                         "server requires env.token")
+            scheme, _, value = got.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    value.strip().encode(), token.encode()):
+                raise ProtocolError(401, "wrong bearer token; send the server's env.token")
+        return await handler(request)
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ProtocolError(400, f"malformed JSON body ({e}); send a JSON object") from None
+
+    def _live(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            return s
+        tomb = self._tombs.get(session_id)
+        if tomb is not None:
+            raise ProtocolError(410, f"session {session_id!r} has ended ({tomb.why}); start a "
+                                     "new one")
+        raise ProtocolError(404, f"unknown session {session_id!r}; use the id /start returned")
+
+    async def _call(self, adapter: Adapter, fn: Callable[..., Any], *args: Any) -> Any:
+        if adapter.blocking:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return fn(*args)
+
+    async def _close(self, s: _Session, why: str) -> tuple[float, dict[str, Any]] | None:
+        """Removes `s` and closes its adapter; returns the adapter's (reward, info) if it can."""
+        if self._sessions.pop(s.id, None) is None:
+            return None
+        self._tomb(s.id, _Tombstone(why))
+        self.metrics.ended.labels(why.split(" ")[0]).inc()
+        self._gauges()
+        try:
+            return await self._call(s.adapter, s.adapter.close)
+        except Exception:  # noqa: BLE001 - the session is gone either way; close must not fail
+            return None
+
+    def _tomb(self, session_id: str, tomb: _Tombstone) -> None:
+        self._tombs[session_id] = tomb
+        while len(self._tombs) > _TOMBSTONES:
+            self._tombs.popitem(last=False)
+
+    def _gauges(self) -> None:
+        self.metrics.live.set(len(self._sessions))
+        self.metrics.paused.set(sum(s.paused for s in self._sessions.values()))
+
+    async def _adapter_failed(self, s: _Session, where: str, e: Exception) -> web.Response:
+        await self._close(s, f"adapter error in {where}: {type(e).__name__}")
+        return _json({"error": f"environment failed in {where}: {type(e).__name__}: {e}; "
+                               f"session {s.id!r} closed"}, 500)
+
+    # ---------------------------------------------------------------- routes
+
+    async def _start(self, request: web.Request) -> web.Response:
+        req = StartRequest.parse(await self._body(request))
+        if req.request_id is not None:
+            if req.request_id in self._start_replies:
+                return _json(self._start_replies[req.request_id])
+            pending = self._start_inflight.get(req.request_id)
+            if pending is not None:
+                status, body = await asyncio.shield(pending)
+                return _json(body, status)
+        if len(self._sessions) + self._starting >= self.cfg.max_sessions:
+            raise ProtocolError(429, f"server holds {self.cfg.max_sessions} live sessions "
+                                     "(env.max_sessions); end or wait for some, then retry")
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        if req.request_id is not None:
+            self._start_inflight[req.request_id] = future
+        self._starting += 1
+        try:
+            status, body = await self._do_start(req.task)
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # mark retrieved: a waiting retry re-raises it, or nobody does
+            raise
+        finally:
+            self._starting -= 1
+            if req.request_id is not None:
+                self._start_inflight.pop(req.request_id, None)
+        future.set_result((status, body))
+        if req.request_id is not None and status == 200:
+            self._start_replies[req.request_id] = body
+            while len(self._start_replies) > _START_REPLIES:
+                self._start_replies.popitem(last=False)
+        return _json(body, status)
+
+    async def _do_start(self, task: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        session_id = uuid.uuid4().hex
+        task_id = str(task.get("task_id", session_id))
+        try:
+            adapter = self._make(self._options)
+        except TaskError as e:
+            return 422, {"error": f"bad suite options: {e}"}
+        delay = self._latency.sample(task_id, 0)
+        if delay:
+            await asyncio.sleep(delay)
+        try:
+            observation = await self._call(adapter, adapter.reset, task)
+        except TaskError as e:
+            with contextlib.suppress(Exception):
+                await self._call(adapter, adapter.close)
+            return 422, {"error": f"bad task: {e}"}
+        except Exception as e:  # noqa: BLE001 - an env failure is a 500 value, not a crash
+            with contextlib.suppress(Exception):
+                await self._call(adapter, adapter.close)
+            return 500, {"error": f"environment failed in reset: {type(e).__name__}: {e}"}
+        loop = asyncio.get_running_loop()
+        self._sessions[session_id] = _Session(session_id, task_id, adapter, asyncio.Lock(),
+                                              loop.time())
+        self.metrics.started.inc()
+        self._gauges()
+        return 200, {"session": session_id, "observation": str(observation)}
+
+    async def _step(self, request: web.Request) -> web.Response:
+        req = StepRequest.parse(await self._body(request),
+                                max_action_chars=self.cfg.max_action_chars)
+        s = self._live(req.session)
+        s.busy += 1
+        try:
+            async with s.lock:
+                if req.request_id is not None and req.request_id == s.last_request_id:
+                    status, body = s.last_reply  # type: ignore[misc]  # set with the id
+                    return _json(body, status)
+                if req.session not in self._sessions:
+                    return _json({"error": f"session {s.id!r} ended while this request "
+                                           "waited"}, 410)
+                if s.paused:
+                    raise ProtocolError(409, f"session {s.id!r} is paused; POST /resume "
+                                             "before /observation")
+                if s.done:
+                    raise ProtocolError(409, f"session {s.id!r}'s episode is done; POST /end "
+                                             "to collect the reward")
+                t0 = time.perf_counter()
+                delay = self._latency.sample(s.task_id, s.turn + 1)
+                if delay:
+                    await asyncio.sleep(delay)
+                try:
+                    step = await self._call(s.adapter, s.adapter.step, req.action)
+                except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
+                    return await self._adapter_failed(s, "step", e)
+                s.turn += 1
+                done = bool(step.done) or s.turn >= self.cfg.max_turns
+                s.done = done
+                body = {"observation": str(step.observation), "done": done,
+                        "reward": None if step.reward is None else float(step.reward),
+                        "turn": s.turn}
+                if done and not step.done:
+                    body["truncated"] = "turn_limit"
+                s.last_request_id, s.last_reply = req.request_id, (200, body)
+                self.metrics.step_s.observe(time.perf_counter() - t0)
+                return _json(body)
+        finally:
+            s.busy -= 1
+            s.last_active = asyncio.get_running_loop().time()
+
+    async def _end(self, request: web.Request) -> web.Response:
+        req = SessionRequest.parse(await self._body(request))
+        tomb = self._tombs.get(req.session)
+        if tomb is not None and req.request_id is not None and req.request_id == (
+                tomb.end_request_id):
+            status, body = tomb.end_reply  # type: ignore[misc]  # set with the id
+            return _json(body, status)
+        s = self._live(req.session)
+        s.busy += 1
+        try:
+            async with s.lock:
+                if req.session not in self._sessions:
+                    return await self._end(request)  # ended while we waited: replay or 410
+                self._sessions.pop(s.id)
+                self._gauges()
+                try:
+                    reward, info = await self._call(s.adapter, s.adapter.close)
+                    status, body = 200, {"reward": float(reward), "info": _jsonable(info),
+                                         "turns": s.turn}
+                    why = "ended by /end"
+                except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
+                    status, body = 500, {"error": f"environment failed in close: "
+                                                  f"{type(e).__name__}: {e}; session "
+                                                  f"{s.id!r} closed"}
+                    why = f"adapter error in close: {type(e).__name__}"
+                self._tomb(s.id, _Tombstone(why, req.request_id, (status, body)))
+                self.metrics.ended.labels(why.split(" ")[0]).inc()
+                return _json(body, status)
+        finally:
+            s.busy -= 1
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        req = SessionRequest.parse(await self._body(request))
+        s = self._live(req.session)
+        if not s.paused:
+            s.paused = True
+            s.paused_at = asyncio.get_running_loop().time()
+            self._gauges()
+            try:
+                await self._call(s.adapter, s.adapter.pause)
+            except Exception as e:  # noqa: BLE001
+                return await self._adapter_failed(s, "pause", e)
+        return _json({"session": s.id, "paused": True})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        req = SessionRequest.parse(await self._body(request))
+        s = self._live(req.session)
+        if s.paused:
+            s.paused = False
+            s.last_active = asyncio.get_running_loop().time()
+            self._gauges()
+            try:
+                await self._call(s.adapter, s.adapter.resume)
+            except Exception as e:  # noqa: BLE001
+                return await self._adapter_failed(s, "resume", e)
+        return _json({"session": s.id, "paused": False})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", "suite": self.suite, "sessions": len(self._sessions),
+                      "paused": sum(s.paused for s in self._sessions.values()),
+                      "uptime_s": round(time.monotonic() - self._t0, 3)})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=prom.generate_latest(self.metrics.registry),
+                            content_type="text/plain", charset="utf-8")
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+
+_ROUTES = {"/start", "/observation", "/end", "/pause", "/resume", "/health", "/metrics"}
+
+
+def _json(body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | None = None
+          ) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _plain_headers(e: web.HTTPException) -> dict[str, str]:
+    # Keep Allow (405) and Retry-After; drop Content-Type/Length of the plain-text body.
+    return {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
+
+
+def _jsonable(value: Any) -> Any:
+    """Adapter info made JSON-safe (numpy scalars, tuples, sets) without failing the reply."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=_fallback))
+
+
+def _fallback(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    return repr(value)
