@@ -8,6 +8,12 @@ from typing import Literal
 from tiderl.configlib import ConfigError
 
 
+def _check_buckets(name: str, buckets: tuple[int, ...]) -> None:
+    if not buckets or any(b <= 0 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ConfigError(f"config key 'rollout.{name}'={buckets!r} must be a non-empty, strictly "
+                          "increasing list of positive sizes; e.g. [16, 64, 256]")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """Rollout ranks (one engine each), their KV pool, sampling and scheduling policy."""
@@ -23,6 +29,22 @@ class RolloutConfig:
     max_context: int = 1024
     max_action_tokens: int = 16
     temperature: float = 1.0
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    """Decode batch sizes compiled (one trace each); the largest must be >= max_slots."""
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    """Prefill chunk lengths compiled (one trace each); longer appends run in chunks of the
+    largest."""
+    stop_tokens: tuple[int, ...] = ()
+    """Token ids that end an action (the engine reports StopReason.STOP_TOKEN)."""
+    top_k: int = 0
+    """0 = off (default). When on, sampling is truncated and results are flagged `filtered`."""
+    top_p: float = 1.0
+    """1.0 = off (default). When on, sampling is truncated and results are flagged `filtered`."""
+    attention: Literal["auto", "reference", "pallas"] = "auto"
+    """'reference': gather + jnp attention everywhere. 'pallas': Pallas paged attention for decode
+    and gather + jax.nn.dot_product_attention for prefill. 'auto': pallas on GPU, else reference."""
+    pallas_interpret: bool = False
+    """Run the Pallas kernel in interpret mode (CPU checks); set automatically off-GPU."""
 
     def __post_init__(self):
         for name in ("ranks", "devices_per_rank", "page_size", "num_pages", "max_slots",
@@ -32,3 +54,19 @@ class RolloutConfig:
                                   f"{getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError("config key 'rollout.temperature' must be >= 0 (0 is greedy)")
+        _check_buckets("decode_buckets", self.decode_buckets)
+        _check_buckets("prefill_buckets", self.prefill_buckets)
+        if self.decode_buckets[-1] < self.max_slots:
+            raise ConfigError(
+                f"config key 'rollout.decode_buckets' tops out at {self.decode_buckets[-1]} < "
+                f"rollout.max_slots={self.max_slots}; add a bucket >= max_slots or lower max_slots")
+        if self.top_k < 0:
+            raise ConfigError(f"config key 'rollout.top_k'={self.top_k} must be >= 0 (0 is off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"config key 'rollout.top_p'={self.top_p} must be in (0, 1] "
+                              "(1.0 is off)")
+
+    @property
+    def max_pages_per_slot(self) -> int:
+        """Page-table width: pages one max_context-token sequence needs."""
+        return -(-self.max_context // self.page_size)

@@ -1,0 +1,451 @@
+"""JetStream-style rollout engine over a paged KV cache, extended for multi-turn agent tasks.
+
+Contract for the caller (a RolloutRank: one worker thread does all device work; it drives many
+tasks across turns). A task is a `Prefix` handle (pages.py) that the caller keeps for the task's
+whole life; it holds the context as token ids (token in, token out) and where its KV lives.
+
+    engine = Engine(graphdef, params, model_cfg, rollout_cfg, seed=run_seed)
+    state = engine.init_decode_state()                        # pools allocated once, here
+    p = engine.prefill(params, None, prompt, len(prompt), task_id=7)   # turn 1: new task
+    state = engine.insert(p, state)                           # p.slot joins the decode batch
+    state, res = engine.generate(params, state)               # one token for every decoding slot
+    ...until p.done (p.stop_reason: STOP_TOKEN | MAX_ACTION_TOKENS | CONTEXT_LIMIT);
+    p.action_tokens / p.logprobs are the action; the slot's KV stays resident (pause = keep).
+    p = engine.prefill(params, p, obs, len(obs))              # turn 2: append the observation
+    state = engine.insert(p, state)                           # and decode the next action
+
+- `prefill(params, existing_prefix, tokens, true_length)` appends `tokens[:true_length]` to the
+  task's context and computes KV only for what is not resident: the new tokens, the last
+  sampled token of the previous action (never fed yet), and, after `evict` or a weight flush,
+  everything (resume = re-prefill only what is missing). It then samples the first token of the
+  action (key from (task_id, position)). Long inputs run in chunks of the largest prefill
+  bucket; each chunk is padded to a length bucket. `true_length == 0` continues the current
+  action (resume after eviction/flush, or a forked sibling's first token). If the context cannot
+  fit `max_context` the prefix comes back with `stop_reason == CONTEXT_LIMIT` and nothing ran.
+- `insert(prefix, state, slot=None)` makes a prefilled task decode; a different `slot` moves its
+  page table there (no KV copy).
+- `generate(params, state)` decodes one token for every decoding slot (batch padded to a decode
+  bucket) with one device→host copy, appends to each handle and reports stop reasons. Stopped
+  slots leave the decode batch but keep their KV.
+- `evict(prefix)` frees the task's pages and slot but keeps its tokens (pause = evict);
+  `free(prefix)` ends a task. Both accept a slot number too.
+- `fork(prefix, n, task_ids)` makes n GRPO siblings sharing the resident pages copy-on-write
+  (the parent's unfed last token is not inherited); prefill each with `true_length=0` to sample
+  its own first token, then insert it.
+- `update_weights(params, version=None)` swaps weights of identical tree structure, shapes,
+  dtypes and shardings (so never recompiles) and by default flushes every slot's KV: a flushed
+  task must be prefilled again (`true_length=0` to continue its action) and re-inserted. With
+  `flush=False`, a stale slot is flushed by its next `prefill` and `generate` refuses it
+  (StaleKVError): KV of an older version is never attended.
+- Errors: PoolExhaustedError (pages or slots; names the setting; nothing changed, other slots
+  intact), StaleKVError. `params` passed to prefill/generate must be the engine's current
+  weights (or None); weights only change through `update_weights`.
+- `counters` (EngineCounters) and `stats()`: prompt tokens queried/served from resident KV,
+  tokens computed by reason (new / evicted / version), pages in use and shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tiderl.models.config import ModelConfig
+from tiderl.models.decoder import DTYPES
+from tiderl.serving.config import RolloutConfig
+from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
+from tiderl.serving.pages import (
+    EngineCounters,
+    PageAllocator,
+    PoolExhaustedError,
+    Prefix,
+    ResultTokens,
+    StaleKVError,
+    StopReason,
+)
+from tiderl.serving.sampling import sample, token_keys
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecodeState", "Engine", "Prefix", "ResultTokens", "StopReason", "PoolExhaustedError",
+           "StaleKVError", "make_step"]
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """The engine's device pools and which task occupies each slot (one per engine)."""
+
+    pools: KVPools
+    slots: list[Prefix | None]
+
+
+def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
+              top_p: float, keep_logits: bool, trace_counts: collections.Counter):
+    """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T)."""
+
+    def step(params, pools, run_key, tokens_bt, start_b, n_new_b, page_table_bp, task_ids_b,
+             temperature_b):
+        trace_counts[(kind, *tokens_bt.shape)] += 1  # Python side effect: runs once per trace
+        model = nnx.merge(graphdef, params)
+        positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1])
+        cache = PagedKV(pools, page_table_bp, start_b, n_new_b, impl=impl, interpret=interpret)
+        logits_btv, cache = model(tokens_bt, positions_bt, jnp.ones_like(tokens_bt), cache=cache)
+        last_b = jnp.maximum(n_new_b - 1, 0)
+        logits_bv = jnp.take_along_axis(logits_btv, last_b[:, None, None], axis=1)[:, 0]
+        logits_bv = logits_bv.astype(jnp.float32)
+        # The sampled token's position is the one after the last token fed.
+        keys_b = token_keys(run_key, task_ids_b, start_b + n_new_b)
+        tokens_b, logprob_b = sample(logits_bv, keys_b, temperature_b, top_k=top_k, top_p=top_p)
+        # Token and logprob bits in one int32 array: one device→host copy per step.
+        packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
+        return cache.pools, packed_b2, (logits_bv if keep_logits else None)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def _spec(params) -> tuple[Any, list[tuple]]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return treedef, [(jax.tree_util.keystr(p), x.shape, x.dtype, getattr(x, "sharding", None))
+                     for p, x in leaves]
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class Engine:
+    """Paged-KV rollout engine for one rank (see the module docstring for the contract)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig,
+                 cfg: RolloutConfig, *, seed: int = 0, version: int = 0,
+                 keep_logits: bool = False):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.params, self.version = params, version
+        self._param_spec = _spec(params)
+        devices = {d for x in jax.tree_util.tree_leaves(params) for d in x.devices()}
+        if len(devices) != 1:
+            raise NotImplementedError(
+                f"Engine params span {len(devices)} devices; a rank with "
+                "rollout.devices_per_rank > 1 (sharded KV pools) is not implemented yet; "
+                "set rollout.devices_per_rank=1")
+        self.device = devices.pop()
+        on_gpu = self.device.platform == "gpu"
+        self.attention = cfg.attention if cfg.attention != "auto" else (
+            "pallas" if on_gpu else "reference")
+        self.interpret = cfg.pallas_interpret or not on_gpu
+        self.filtered = cfg.top_k > 0 or cfg.top_p < 1.0
+        if self.filtered:
+            log.warning("top-k/top-p sampling is on: returned logprobs are full-vocabulary "
+                        "log_softmax(logits/T) and results are flagged `filtered`")
+        self.run_key = jax.device_put(jax.random.key(seed), self.device)
+        self.keep_logits = keep_logits
+        self.logits_log: list[tuple[int, int, np.ndarray]] = []
+        """(task_id, position, logits_v) of every sampled token when keep_logits (tests)."""
+        self.trace_counts: collections.Counter = collections.Counter()
+        common = dict(impl=self.attention, interpret=self.interpret, top_k=cfg.top_k,
+                      top_p=cfg.top_p, keep_logits=keep_logits, trace_counts=self.trace_counts)
+        self._prefill_fn = make_step(graphdef, kind="prefill", **common)
+        self._decode_fn = make_step(graphdef, kind="decode", **common)
+        self._copy_fn = jax.jit(copy_pages, donate_argnums=(0,))
+        self.counters = EngineCounters()
+        self.pages: PageAllocator | None = None
+        self.state: DecodeState | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def init_decode_state(self) -> DecodeState:
+        """Allocates the page pools (once per engine) and an empty slot table."""
+        c, m = self.cfg, self.model_cfg
+        self.pages = PageAllocator(num_pages=c.num_pages, page_size=c.page_size,
+                                   max_slots=c.max_slots, max_pages_per_slot=c.max_pages_per_slot)
+        pools = init_pools(n_layers=m.n_layers, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                           num_pages=c.num_pages, page_size=c.page_size,
+                           dtype=DTYPES[m.compute_dtype], device=self.device)
+        self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
+        return self.state
+
+    def update_weights(self, params: nnx.State, *, version: int | None = None,
+                       flush: bool = True) -> None:
+        """New weights of identical structure/shapes/dtypes/shardings; bumps the version."""
+        treedef, leaves = _spec(params)
+        old_treedef, old_leaves = self._param_spec
+        if treedef != old_treedef:
+            raise ValueError("update_weights: params tree structure differs from the engine's; "
+                             "export weights from the same policy class and config")
+        for new, old in zip(leaves, old_leaves, strict=True):
+            if new != old:
+                raise ValueError(
+                    f"update_weights: param {new[0]} is shape={new[1]} dtype={new[2]} "
+                    f"sharding={new[3]} but the engine compiled for shape={old[1]} "
+                    f"dtype={old[2]} sharding={old[3]}; reshard/cast before syncing (a "
+                    "mismatch would recompile every kernel)")
+        self.params = params
+        self.version = self.version + 1 if version is None else version
+        if flush:
+            self.flush()
+
+    def flush(self) -> int:
+        """Drops every slot's KV older than the current version; returns tokens dropped."""
+        dropped = 0
+        for h in self._state().slots:
+            if h is not None and h.kv_length and h.version != self.version:
+                dropped += h.kv_length
+                self._drop_kv(h, "version")
+        return dropped
+
+    # -- the JetStream contract ----------------------------------------------------------------
+    def prefill(self, params, existing_prefix: Prefix | None, tokens, true_length: int, *,
+                task_id: int | None = None, temperature: float | None = None,
+                max_action_tokens: int | None = None) -> Prefix:
+        """Appends tokens[:true_length] to the task's context, computes missing KV, samples."""
+        self._check_params(params)
+        st = self._state()
+        new = [int(t) for t in np.asarray(tokens).reshape(-1)[:true_length]]
+        if len(new) != true_length:
+            raise ValueError(f"true_length={true_length} exceeds len(tokens)={len(new)}")
+        h = existing_prefix
+        if h is None:
+            if task_id is None:
+                raise ValueError("prefill of a new task needs task_id= (it keys the sampling)")
+            h = Prefix(task_id=task_id, temperature=self.cfg.temperature,
+                       max_action_tokens=self.cfg.max_action_tokens)
+        if temperature is not None:
+            h.temperature = temperature
+        if max_action_tokens is not None:
+            h.max_action_tokens = max_action_tokens
+        if not new and h.done:
+            raise ValueError(f"task {h.task_id}: its action already ended ({h.stop_reason.name});"
+                             " append the next observation (true_length > 0)")
+        if not new and not h.tokens:
+            raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
+        end = len(h.tokens) + len(new)
+        if end + 1 > self.cfg.max_context:
+            h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
+            return h
+        if h.slot is not None and h.kv_length and h.version != self.version:
+            self._drop_kv(h, "version")
+        opened = h.slot is None
+        if opened:
+            h.slot = self.pages.open()
+        # Nothing missing (a forked sibling): recompute the last token to get its logits.
+        start = min(h.kv_length, end - 1)
+        try:
+            copies = self.pages.reserve(h.slot, start, end)
+        except PoolExhaustedError:
+            if opened:
+                self.pages.close(h.slot)
+                h.slot = None
+            raise
+        st.slots[h.slot] = h
+        h.tokens.extend(new)
+        if new:
+            h.action_start, h.logprobs, h.stop_reason = end, [], StopReason.NONE
+        self._count_compute(h, start, end, prompt=True)
+        self._apply_copies(copies)
+        chunk = self.cfg.prefill_buckets[-1]
+        for c0 in range(start, end, chunk):
+            n = min(chunk, end - c0)
+            t = _bucket(n, self.cfg.prefill_buckets)
+            tokens_bt = np.zeros((1, t), np.int32)
+            tokens_bt[0, :n] = h.tokens[c0:c0 + n]
+            packed, logits = self._run(self._prefill_fn, [h], tokens_bt, [c0], [n], 1)
+        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+        h.computed_max = max(h.computed_max, end)
+        self.counters.prefill_calls += 1
+        self._take_sample(h, packed[0], None if logits is None else logits[0])
+        h.decoding = False
+        return h
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState,
+               slot: int | None = None) -> DecodeState:
+        """Puts a prefilled task into the decode batch (moving its page table to `slot`)."""
+        st = self._state(decode_state)
+        if prefix.slot is None or prefix.kv_length != len(prefix.tokens) - 1:
+            raise ValueError(f"task {prefix.task_id} is not prefilled (evicted or flushed); "
+                             "call prefill(params, prefix, [], 0) first")
+        if prefix.version != self.version:
+            raise StaleKVError(f"task {prefix.task_id}: KV is of version {prefix.version}, the "
+                               f"engine is at {self.version}; prefill it again")
+        if slot is not None and slot != prefix.slot:
+            self.pages.move(prefix.slot, slot)
+            st.slots[prefix.slot], st.slots[slot] = None, prefix
+            prefix.slot = slot
+        prefix.decoding = not prefix.done
+        return st
+
+    def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        """One token for every decoding slot; one device→host copy."""
+        self._check_params(params)
+        st = self._state(decode_state)
+        active = [h for h in st.slots if h is not None and h.decoding]
+        if not active:
+            empty = np.zeros(0, np.int32)
+            return st, ResultTokens(empty, empty, np.zeros(0, np.float32), empty, empty,
+                                    self.filtered)
+        for h in active:
+            if h.version != self.version:
+                raise StaleKVError(
+                    f"slot {h.slot} (task {h.task_id}) holds KV of weight version {h.version} "
+                    f"but the engine is at {self.version}; call engine.flush() and prefill it "
+                    "again")
+        pos = [len(h.tokens) - 1 for h in active]
+        need = sum(self.pages.pages_needed(h.slot, p, p + 1) for h, p in zip(active, pos))
+        if need > self.pages.pages_free:
+            raise PoolExhaustedError(
+                f"KV page pool exhausted: this decode step needs {need} pages, "
+                f"{self.pages.pages_free} free of rollout.num_pages={self.cfg.num_pages}; "
+                "raise rollout.num_pages or pause/evict tasks")
+        copies = [c for h, p in zip(active, pos) for c in self.pages.reserve(h.slot, p, p + 1)]
+        self._apply_copies(copies)
+        b = _bucket(len(active), self.cfg.decode_buckets)
+        tokens_bt = np.zeros((b, 1), np.int32)
+        tokens_bt[: len(active), 0] = [h.tokens[-1] for h in active]
+        packed, logits = self._run(self._decode_fn, active, tokens_bt, pos, [1] * len(active), b)
+        self.counters.decode_steps += 1
+        self.counters.decode_tokens += len(active)
+        for i, h in enumerate(active):
+            h.kv_length = pos[i] + 1
+            h.computed_max = max(h.computed_max, h.kv_length)
+            self._take_sample(h, packed[i], None if logits is None else logits[i])
+        res = ResultTokens(
+            slots=np.array([h.slot for h in active], np.int32),
+            tokens=packed[: len(active), 0].copy(),
+            logprobs=packed[: len(active), 1].view(np.float32).copy(),
+            lengths=np.array([len(h.tokens) for h in active], np.int32),
+            stop_reasons=np.array([int(h.stop_reason) for h in active], np.int32),
+            filtered=self.filtered)
+        return st, res
+
+    def evict(self, prefix: Prefix | int) -> Prefix:
+        """Frees the task's pages and slot; its tokens stay (a later prefill recomputes them)."""
+        h = self._resolve(prefix)
+        if h.slot is not None:
+            self._drop_kv(h, "evicted")
+            self._close(h)
+        return h
+
+    def free(self, prefix: Prefix | int) -> None:
+        """Ends a task: releases its pages and slot."""
+        h = self._resolve(prefix)
+        if h.slot is not None:
+            self._close(h)
+        h.kv_length, h.decoding = 0, False
+
+    def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
+        """n siblings sharing the task's resident KV pages copy-on-write (GRPO groups)."""
+        h = self._resolve(prefix)
+        if len(task_ids) != n:
+            raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
+        if h.slot is None or not h.kv_length or h.version != self.version:
+            raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
+                             "first")
+        st = self._state()
+        children = []
+        for slot, tid in zip(self.pages.fork(h.slot, n), task_ids, strict=True):
+            child = Prefix(task_id=tid, tokens=h.tokens[: h.kv_length], slot=slot,
+                           kv_length=h.kv_length, version=h.version,
+                           action_start=min(h.action_start, h.kv_length),
+                           temperature=h.temperature, max_action_tokens=h.max_action_tokens,
+                           computed_max=h.kv_length)
+            child.logprobs = h.logprobs[: max(0, h.kv_length - h.action_start)]
+            st.slots[slot] = child
+            children.append(child)
+        return children
+
+    # -- views ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counters plus gauges (pages in use / shared, KV hit rate)."""
+        out = dataclasses.asdict(self.counters)
+        out.update(kv_hit_rate=self.counters.kv_hit_rate,
+                   pages_in_use=self.pages.pages_in_use if self.pages else 0,
+                   pages_shared=self.pages.pages_shared if self.pages else 0,
+                   version=self.version)
+        return out
+
+    # -- internals -----------------------------------------------------------------------------
+    def _run(self, fn, rows: list[Prefix], tokens_bt, start, n_new, b):
+        st = self._state()
+        pad = b - len(rows)
+        start_b = np.array(list(start) + [0] * pad, np.int32)
+        n_new_b = np.array(list(n_new) + [0] * pad, np.int32)
+        table_bp = self.pages.table_array([h.slot for h in rows], b)
+        task_b = np.array([h.task_id for h in rows] + [0] * pad, np.int32)
+        temp_b = np.array([h.temperature for h in rows] + [0.0] * pad, np.float32)
+        st.pools, packed, logits = fn(self.params, st.pools, self.run_key, tokens_bt, start_b,
+                                      n_new_b, table_bp, task_b, temp_b)
+        return np.asarray(packed), None if logits is None else np.asarray(logits)
+
+    def _take_sample(self, h: Prefix, packed_2, logits_v) -> None:
+        token = int(packed_2[0])
+        h.tokens.append(token)
+        h.logprobs.append(float(np.asarray(packed_2[1], np.int32).view(np.float32)))
+        if logits_v is not None:
+            self.logits_log.append((h.task_id, len(h.tokens) - 1, logits_v))
+        if token in self.cfg.stop_tokens:
+            h.stop_reason = StopReason.STOP_TOKEN
+        elif len(h.tokens) - h.action_start >= h.max_action_tokens:
+            h.stop_reason = StopReason.MAX_ACTION_TOKENS
+        elif len(h.tokens) >= self.cfg.max_context:
+            h.stop_reason = StopReason.CONTEXT_LIMIT
+        if h.done:
+            h.decoding = False
+
+    def _count_compute(self, h: Prefix, start: int, end: int, *, prompt: bool) -> None:
+        c = self.counters
+        c.prompt_tokens_queried += end
+        c.prompt_tokens_served += start
+        redo = max(0, min(end, h.computed_max) - start)
+        if h.drop_reason == "evicted":
+            c.recomputed_evicted += redo
+        elif h.drop_reason == "version":
+            c.recomputed_version += redo
+        else:
+            c.computed_new += redo
+        c.computed_new += end - start - redo
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        st = self._state()
+        # Fixed length (max_slots, padded trash → trash) so the copy kernel traces once.
+        n = max(self.cfg.max_slots, len(copies))
+        src = np.full(n, self.pages.trash, np.int32)
+        dst = np.full(n, self.pages.trash, np.int32)
+        src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
+        st.pools = self._copy_fn(st.pools, src, dst)
+        self.counters.page_copies += len(copies)
+
+    def _drop_kv(self, h: Prefix, reason: str) -> None:
+        self.pages.release_pages(h.slot)
+        h.kv_length, h.decoding, h.drop_reason = 0, False, reason
+
+    def _close(self, h: Prefix) -> None:
+        self.pages.close(h.slot)
+        self._state().slots[h.slot] = None
+        h.slot, h.decoding = None, False
+
+    def _resolve(self, prefix: Prefix | int) -> Prefix:
+        if isinstance(prefix, Prefix):
+            return prefix
+        h = self._state().slots[prefix]
+        if h is None:
+            raise ValueError(f"slot {prefix} holds no task")
+        return h
+
+    def _check_params(self, params) -> None:
+        if params is not None and params is not self.params:
+            raise ValueError("params passed to prefill/generate are not the engine's current "
+                             "weights; call engine.update_weights(params) first so every slot's "
+                             "KV version is tracked")
+
+    def _state(self, decode_state: DecodeState | None = None) -> DecodeState:
+        if self.state is None:
+            raise RuntimeError("call engine.init_decode_state() first")
+        if decode_state is not None and decode_state is not self.state:
+            raise ValueError("decode_state is not this engine's current state")
+        return self.state

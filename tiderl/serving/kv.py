@@ -1,0 +1,162 @@
+"""Device side of the paged KV cache: page pools, KV write and attention over pages.
+
+Pools are per layer `[K, P+1, S, Dh]` (kv heads, pages + 1 scratch page, page slots, head dim).
+This is kv-head-major rather than `[P, S, K, Dh]` because it is the layout the Pallas GPU
+paged-attention kernel reads; any other layout would cost a full-pool transpose per layer per
+step. Page `P` is scratch ("trash"): padded tokens write there and padded page-table entries
+point there, so kernels have no data-dependent branches (see pages.py).
+
+`PagedKV` is the `AttentionCache` the decoder calls once per layer on the serving path. It is
+a pytree (pools and tables are leaves, the kernel choice is static), so it flows through jit and
+the pools it returns are the donated inputs updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from tiderl.models.layers import attend as reference_attend
+
+AttnImpl = Literal["reference", "pallas"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPools:
+    """Per-layer K and V page pools, each `[K, P+1, S, Dh]`; allocated once, donated per call."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def trash(self) -> int:
+        return self.k[0].shape[1] - 1
+
+
+def init_pools(*, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
+               dtype, device=None) -> KVPools:
+    """Zeroed pools for `num_pages` real pages plus the scratch page."""
+    shape = (n_kv_heads, num_pages + 1, page_size, head_dim)
+    make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
+                   out_shardings=None if device is None else jax.sharding.SingleDeviceSharding(device))
+    return KVPools(k=make(), v=make())
+
+
+def copy_pages(pools: KVPools, src_c: Int[Array, "C"], dst_c: Int[Array, "C"]) -> KVPools:
+    """Copy-on-write: page dst ← page src in every layer (pad with trash → trash)."""
+    return KVPools(k=tuple(p.at[:, dst_c].set(p[:, src_c]) for p in pools.k),
+                   v=tuple(p.at[:, dst_c].set(p[:, src_c]) for p in pools.v))
+
+
+def gather_pages(pool_kpsd: Array, page_table_bp: Int[Array, "B Pm"]) -> Float[Array, "B L K Dh"]:
+    """A batch's pages as contiguous `[B, Pm*S, K, Dh]` keys or values (L = Pm*S)."""
+    g_kbpsd = pool_kpsd[:, page_table_bp]
+    k, b, pm, s, dh = g_kbpsd.shape
+    return g_kbpsd.reshape(k, b, pm * s, dh).transpose(1, 2, 0, 3)
+
+
+def append_mask(pos_bt: Int[Array, "B T"], kv_len_b: Int[Array, "B"],
+                n_keys: int) -> Bool[Array, "B T L"]:
+    """Bottom-right-aligned causal mask for tokens appended at `pos_bt` to a resident context."""
+    s_l = jnp.arange(n_keys)
+    return (s_l[None, None, :] < kv_len_b[:, None, None]) & (s_l[None, None, :] <= pos_bt[:, :, None])
+
+
+def pallas_paged_decode(q_bhd, k_pool, v_pool, page_table_bp, lengths_b, *, interpret: bool):
+    """One query token per row through `jax.experimental.pallas.ops.gpu.paged_attention`."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    pm = page_table_bp.shape[1]
+    # The kernel asserts pages_per_seq % k_splits == 0 and that the compute block divides a
+    # partition. Interpret mode runs the grid serially, so one split is cheapest there.
+    k_splits = 1 if interpret else next(d for d in (16, 8, 4, 2, 1) if pm % d == 0)
+    block = next(d for d in (8, 4, 2, 1) if (pm // k_splits) % d == 0)
+    scale = 1.0 / math.sqrt(q_bhd.shape[-1])  # the kernel does not scale scores itself
+    return paged_attention(q_bhd * jnp.asarray(scale, q_bhd.dtype), k_pool, v_pool,
+                           page_table_bp, lengths_b.astype(jnp.int32), k_splits=k_splits,
+                           pages_per_compute_block=block, interpret=interpret)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """The serving-path `AttentionCache` over pages: writes new K/V, attends over the context.
+
+    Row b appends `n_new_b[b]` tokens at positions `start_b[b]...` (tokens past `n_new_b` are
+    padding and write to the scratch page); its pages are `page_table_bp[b]`.
+    """
+
+    pools: KVPools
+    page_table_bp: Int[Array, "B Pm"]
+    start_b: Int[Array, "B"]
+    n_new_b: Int[Array, "B"]
+    impl: AttnImpl = dataclasses.field(default="reference", metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def attend(self, layer: int, q_bthd, k_btkd, v_btkd):
+        b, t = q_bthd.shape[:2]
+        s, pm = self.pools.page_size, self.page_table_bp.shape[1]
+        t_t = jnp.arange(t)
+        pos_bt = self.start_b[:, None] + t_t
+        valid_bt = t_t[None, :] < self.n_new_b[:, None]
+        slot_bt = jnp.minimum(pos_bt // s, pm - 1)
+        page_bt = jnp.where(valid_bt, jnp.take_along_axis(self.page_table_bp, slot_bt, axis=1),
+                            self.pools.trash)
+        off_bt = pos_bt % s
+        k_pool = self.pools.k[layer]
+        v_pool = self.pools.v[layer]
+        k_pool = k_pool.at[:, page_bt, off_bt].set(k_btkd.transpose(2, 0, 1, 3).astype(k_pool.dtype))
+        v_pool = v_pool.at[:, page_bt, off_bt].set(v_btkd.transpose(2, 0, 1, 3).astype(v_pool.dtype))
+        kv_len_b = self.start_b + self.n_new_b
+        if t == 1 and self.impl == "pallas":
+            out = pallas_paged_decode(q_bthd[:, 0], k_pool, v_pool, self.page_table_bp, kv_len_b,
+                                      interpret=self.interpret)[:, None]
+        else:
+            k_blkd = gather_pages(k_pool, self.page_table_bp).astype(q_bthd.dtype)
+            v_blkd = gather_pages(v_pool, self.page_table_bp).astype(q_bthd.dtype)
+            mask_btl = append_mask(pos_bt, kv_len_b, pm * s)
+            if self.impl == "pallas":
+                # Explicit mask: is_causal would be top-left aligned, wrong for appended tokens.
+                out = jax.nn.dot_product_attention(q_bthd, k_blkd, v_blkd, mask=mask_btl[:, None])
+            else:
+                out = reference_attend(q_bthd, k_blkd, v_blkd, mask_btl)
+        k_all = self.pools.k[:layer] + (k_pool,) + self.pools.k[layer + 1:]
+        v_all = self.pools.v[:layer] + (v_pool,) + self.pools.v[layer + 1:]
+        return out, dataclasses.replace(self, pools=KVPools(k=k_all, v=v_all))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseKV:
+    """A dense per-row cache `[B, L, K, Dh]` per layer: the baseline paged KV is measured against."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    start_b: Int[Array, "B"]
+    n_new_b: Int[Array, "B"]
+
+    def attend(self, layer: int, q_bthd, k_btkd, v_btkd):
+        b, t = q_bthd.shape[:2]
+        n_keys = self.k[layer].shape[1]
+        t_t = jnp.arange(t)
+        pos_bt = self.start_b[:, None] + t_t
+        # Out-of-range rows are dropped: padding tokens never land in the cache.
+        idx_bt = jnp.where(t_t[None, :] < self.n_new_b[:, None], pos_bt, n_keys)
+        b_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        k_c = self.k[layer].at[b_bt, idx_bt].set(k_btkd, mode="drop")
+        v_c = self.v[layer].at[b_bt, idx_bt].set(v_btkd, mode="drop")
+        mask_btl = append_mask(pos_bt, self.start_b + self.n_new_b, n_keys)
+        out = reference_attend(q_bthd, k_c, v_c, mask_btl)
+        k_all = self.k[:layer] + (k_c,) + self.k[layer + 1:]
+        v_all = self.v[:layer] + (v_c,) + self.v[layer + 1:]
+        return out, dataclasses.replace(self, k=k_all, v=v_all)

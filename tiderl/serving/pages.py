@@ -1,0 +1,273 @@
+"""Host side of the paged KV cache: page allocator, page tables, sharing, and the engine's
+host-side contract types (Prefix handles, stop reasons, results, counters). No JAX.
+
+The device pool has `num_pages` real pages plus one scratch page (index `num_pages`, "trash"):
+padded rows and padded tokens write there and page tables are padded with it, so jitted
+kernels never need a branch and never touch a page they do not own.
+
+Pages are reference counted: GRPO siblings made by `fork` share every page of the parent;
+a shared page is copied (copy-on-write) the first time a sequence writes into it, which in
+practice is the last, partial page of the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+class PoolExhaustedError(RuntimeError):
+    """The KV page pool (or the slot table) cannot hold what was asked; nothing was changed."""
+
+
+class StaleKVError(RuntimeError):
+    """A slot's KV was computed with older weights than the engine now holds."""
+
+
+class StopReason(enum.IntEnum):
+    """Why a slot stopped decoding its current action (NONE while it is still going)."""
+
+    NONE = 0
+    STOP_TOKEN = 1
+    MAX_ACTION_TOKENS = 2
+    CONTEXT_LIMIT = 3
+
+
+class PageAllocator:
+    """Free list, per-slot page tables and reference counts; capacity fixed at construction."""
+
+    def __init__(self, *, num_pages: int, page_size: int, max_slots: int,
+                 max_pages_per_slot: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_slots, self.max_pages_per_slot = max_slots, max_pages_per_slot
+        self.trash = num_pages
+        # Pop from the end: the lowest page ids are handed out first (easier to read in tests).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.refcount = np.zeros(num_pages, np.int32)
+        self.tables: list[list[int]] = [[] for _ in range(max_slots)]
+        self.in_use = np.zeros(max_slots, bool)
+
+    # -- slots ---------------------------------------------------------------------------------
+    def open(self, slot: int | None = None) -> int:
+        """Claims `slot` (or the lowest free one) with an empty page table."""
+        if slot is None:
+            free = np.flatnonzero(~self.in_use)
+            if free.size == 0:
+                raise PoolExhaustedError(
+                    f"no free slot: all rollout.max_slots={self.max_slots} slots hold a task; "
+                    "raise rollout.max_slots or evict/free a task first")
+            slot = int(free[0])
+        elif self.in_use[slot]:
+            raise ValueError(f"slot {slot} is already in use; free or evict it first")
+        self.in_use[slot] = True
+        self.tables[slot] = []
+        return slot
+
+    def close(self, slot: int) -> None:
+        """Releases the slot and drops its references to its pages."""
+        self._check_open(slot)
+        self.release_pages(slot)
+        self.in_use[slot] = False
+
+    def release_pages(self, slot: int) -> None:
+        """Drops the slot's page references (pages return to the free list at refcount 0)."""
+        self._check_open(slot)
+        for page in self.tables[slot]:
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                self._free.append(page)
+        self.tables[slot] = []
+
+    def move(self, src: int, dst: int) -> None:
+        """Moves a page table to another slot (no KV is copied)."""
+        self._check_open(src)
+        self.open(dst)
+        self.tables[dst], self.tables[src] = self.tables[src], []
+        self.in_use[src] = False
+
+    def fork(self, slot: int, n: int) -> list[int]:
+        """n new slots whose page tables share all of `slot`'s pages (refcounts +1 each)."""
+        self._check_open(slot)
+        free = np.flatnonzero(~self.in_use)
+        if free.size < n:
+            raise PoolExhaustedError(
+                f"fork needs {n} free slots but only {free.size} of rollout.max_slots="
+                f"{self.max_slots} are free; raise rollout.max_slots or fork fewer siblings")
+        children = [int(s) for s in free[:n]]
+        for child in children:
+            self.in_use[child] = True
+            self.tables[child] = list(self.tables[slot])
+            for page in self.tables[slot]:
+                self.refcount[page] += 1
+        return children
+
+    # -- pages ---------------------------------------------------------------------------------
+    def pages_needed(self, slot: int, start: int, end: int) -> int:
+        """Free pages `reserve(slot, start, end)` would take (new pages + copy-on-write)."""
+        self._check_open(slot)
+        table = self.tables[slot]
+        n_need = -(-end // self.page_size)
+        if n_need > self.max_pages_per_slot:
+            raise ValueError(
+                f"slot {slot}: {end} tokens need {n_need} pages but a slot holds at most "
+                f"{self.max_pages_per_slot} (rollout.max_context / rollout.page_size); "
+                "raise rollout.max_context or end the task at its context limit")
+        first = start // self.page_size
+        shared = sum(1 for i in range(first, min(len(table), n_need))
+                     if self.refcount[table[i]] > 1)
+        return max(0, n_need - len(table)) + shared
+
+    def reserve(self, slot: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Makes token positions [start, end) of `slot` writable by it alone.
+
+        Appends new pages and replaces shared pages in the range by private copies. Returns the
+        (src, dst) page copies the device must do before writing. Atomic: on PoolExhaustedError
+        nothing changed.
+        """
+        if end <= start:
+            return []
+        need = self.pages_needed(slot, start, end)
+        if need > len(self._free):
+            raise PoolExhaustedError(
+                f"KV page pool exhausted: slot {slot} needs {need} more pages, "
+                f"{len(self._free)} free of rollout.num_pages={self.num_pages} "
+                f"(page_size={self.page_size}); raise rollout.num_pages, lower "
+                "rollout.max_slots, or evict/pause tasks")
+        table = self.tables[slot]
+        copies = []
+        n_need = -(-end // self.page_size)
+        for i in range(start // self.page_size, min(len(table), n_need)):
+            page = table[i]
+            if self.refcount[page] > 1:
+                new = self._take()
+                self.refcount[page] -= 1
+                table[i] = new
+                copies.append((page, new))
+        while len(table) < n_need:
+            table.append(self._take())
+        return copies
+
+    def _take(self) -> int:
+        page = self._free.pop()
+        self.refcount[page] = 1
+        return page
+
+    def _check_open(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots or not self.in_use[slot]:
+            raise ValueError(f"slot {slot} is not open (valid open slots: "
+                             f"{np.flatnonzero(self.in_use).tolist()})")
+
+    # -- views ---------------------------------------------------------------------------------
+    def table_array(self, slots: list[int], rows: int) -> np.ndarray:
+        """int32 [rows, max_pages_per_slot] page tables for `slots`, padded with the trash page."""
+        out = np.full((rows, self.max_pages_per_slot), self.trash, np.int32)
+        for r, slot in enumerate(slots):
+            table = self.tables[slot]
+            out[r, : len(table)] = table
+        return out
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        """Distinct pages held by any slot (a page shared by siblings counts once)."""
+        return self.num_pages - len(self._free)
+
+    @property
+    def pages_shared(self) -> int:
+        """Pages referenced by more than one slot."""
+        return int(np.count_nonzero(self.refcount > 1))
+
+    def check(self) -> None:
+        """Asserts the allocator's invariants (tests and debugging)."""
+        counts = np.zeros(self.num_pages, np.int32)
+        for slot in range(self.max_slots):
+            if not self.in_use[slot]:
+                assert not self.tables[slot], f"closed slot {slot} holds pages"
+            assert len(self.tables[slot]) <= self.max_pages_per_slot
+            assert len(set(self.tables[slot])) == len(self.tables[slot]), "page twice in a table"
+            for page in self.tables[slot]:
+                counts[page] += 1
+        assert np.array_equal(counts, self.refcount), "refcounts disagree with the page tables"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice (double free)"
+        used = set(np.flatnonzero(counts).tolist())
+        assert not free & used, "a page is both free and in use"
+        assert free | used == set(range(self.num_pages)), "a page leaked"
+
+
+@dataclasses.dataclass(eq=False)
+class Prefix:
+    """A task's handle: its full context as token ids and where its KV lives.
+
+    Owned by the caller across turns, pauses and evictions; the engine updates it in place.
+    `tokens[:kv_length]` are resident in KV (version `version`) when `slot` is not None; the
+    tokens after `kv_length` (the last sampled token, a new observation, or everything after an
+    eviction or a flush) are computed by the next `prefill`.
+    """
+
+    task_id: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    """Logprob of every token sampled by the engine, aligned with `tokens[action_start:]` of
+    the current action only (cleared when an observation starts a new action)."""
+    slot: int | None = None
+    kv_length: int = 0
+    version: int = -1
+    action_start: int = 0
+    temperature: float = 1.0
+    max_action_tokens: int = 1
+    stop_reason: StopReason = StopReason.NONE
+    decoding: bool = False
+    computed_max: int = 0
+    drop_reason: str = "new"
+
+    @property
+    def action_tokens(self) -> list[int]:
+        """Tokens sampled for the current action."""
+        return self.tokens[self.action_start:]
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason != StopReason.NONE
+
+
+@dataclasses.dataclass
+class ResultTokens:
+    """One decode step's results, from one device→host copy, one row per decoded slot."""
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    """Context length of the slot's task after this token."""
+    stop_reasons: np.ndarray
+    filtered: bool = False
+    """True when top-k/top-p truncated sampling; logprobs are still full-vocabulary."""
+
+    def get_result_at_slot(self, slot: int) -> tuple[int, float, StopReason]:
+        (row,) = np.flatnonzero(self.slots == slot)
+        return int(self.tokens[row]), float(self.logprobs[row]), StopReason(self.stop_reasons[row])
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """Token accounting (vLLM prefix-cache definitions, in tokens) and step counts."""
+
+    prompt_tokens_queried: int = 0
+    prompt_tokens_served: int = 0
+    computed_new: int = 0
+    recomputed_evicted: int = 0
+    recomputed_version: int = 0
+    decode_tokens: int = 0
+    prefill_calls: int = 0
+    decode_steps: int = 0
+    page_copies: int = 0
+
+    @property
+    def kv_hit_rate(self) -> float:
+        return self.prompt_tokens_served / max(1, self.prompt_tokens_queried)
