@@ -1,8 +1,9 @@
-"""Trainer config: devices, optimizer, GRPO loss, micro-batching (JAX-free)."""
+"""Trainer config: devices, optimizer, GRPO loss, micro-batching, RA2P, checkpoints (JAX-free)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from tiderl.configlib import ConfigError
 
@@ -20,7 +21,63 @@ class TrainerConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    """Clip by global norm (after normalising the accumulated gradient); 0 disables."""
     warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: hold lr, or cosine-decay it to 0 over `decay_steps`."""
+    decay_steps: int = 1000
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+
+    # --- GRPO loss (train/grpo.py) ---
+    adv_eps: float = 1e-6
+    """Advantage = (r − mean) / (std + adv_eps) within a group."""
+    zero_var_groups: Literal["drop", "keep"] = "drop"
+    """Groups whose rewards are all equal: drop them, or keep them with zero advantage."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """Ratio clipped to [1 − clip_low, 1 + clip_high] (clip_high > clip_low is 'clip-higher')."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; 0 disables."""
+    is_cap: float = 2.0
+    """Stale tokens (version < trainer version) use truncated IS weights min(ratio, is_cap)."""
+    kl_coef: float = 0.001
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
+    token mean, averaged over the step's sequences."""
+
+    # --- micro-batches (train/dispatch.py) ---
+    row_len: int = 256
+    """Tokens per packed row; a trajectory longer than this cannot be trained."""
+    rows_per_rank: int = 4
+    """Rows each data-parallel rank takes per micro-batch (the per-rank token budget is
+    rows_per_rank × row_len); smaller micro-batches are padded to power-of-two row buckets."""
+    balance: Literal["lpt", "zigzag"] = "lpt"
+    batch_min: int = 1
+    batch_ideal: int = 64
+    """Elastic batch: a step consumes between batch_min and batch_ideal sequences."""
+
+    # --- RA2P executor (train/ra2p.py, train/backend.py) ---
+    mode: Literal["auto", "decoupled", "colocated"] = "auto"
+    """auto: decoupled when ref_devices > 0, else colocated; the cost model advises switches."""
+    aggregate: bool = True
+    """Colocated: run Ref over all ready micro-batches, then Actor over them (False alternates
+    per micro-batch, the vanilla-streaming baseline)."""
+    max_aggregate: int = 16
+    """Most micro-batches one colocated Ref/Actor phase takes (memory cap of the cost model)."""
+    offload: bool = False
+    """Colocated: keep the idle model's state in host memory (pinned_host) between phases."""
+    colocate_slack: float = 0.1
+    """RA2P picks colocated when C_col ≤ (1 + slack)·C_dec: it frees the Ref devices."""
+    sync_timings: bool = False
+    """Block after every phase so per-phase times are exact (serialises the decoupled pipeline)."""
+
+    # --- checkpoints (train/checkpoint.py) ---
+    checkpoint_every: int = 0
+    """Save every N steps (0: only when asked)."""
+    keep_checkpoints: int = 3
 
     def __post_init__(self):
         if self.actor_devices <= 0:
@@ -35,3 +92,35 @@ class TrainerConfig:
             )
         if self.lr <= 0:
             raise ConfigError(f"config key 'trainer.lr' must be positive, got {self.lr}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "adv_eps", "kl_coef",
+                     "checkpoint_every", "colocate_slack"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "
+                                  f"{getattr(self, name)}")
+        for name in ("decay_steps", "row_len", "rows_per_rank", "batch_min", "max_aggregate",
+                     "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config key 'trainer.{name}' must be positive, got "
+                                  f"{getattr(self, name)}")
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ConfigError(
+                f"config keys 'trainer.clip_low'={self.clip_low} / 'trainer.clip_high'="
+                f"{self.clip_high}: need 0 <= clip_low < 1 and clip_high >= 0 (e.g. 0.2, 0.28)"
+            )
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"config key 'trainer.dual_clip'={self.dual_clip} must be > 1 "
+                              "(typically 3) or 0 to disable")
+        if self.is_cap <= 0:
+            raise ConfigError(f"config key 'trainer.is_cap'={self.is_cap} must be positive "
+                              "(1.0 is V-trace truncation)")
+        if self.batch_ideal < self.batch_min:
+            raise ConfigError(
+                f"config key 'trainer.batch_ideal'={self.batch_ideal} is below "
+                f"trainer.batch_min={self.batch_min}; raise batch_ideal or lower batch_min"
+            )
+        if self.mode == "decoupled" and self.ref_devices == 0:
+            raise ConfigError("config key 'trainer.mode'='decoupled' needs trainer.ref_devices "
+                              "> 0 (devices for the Ref); set it or use mode 'colocated'")
+        if not 0 < self.adam_b1 < 1 or not 0 < self.adam_b2 < 1:
+            raise ConfigError("config keys 'trainer.adam_b1'/'trainer.adam_b2' must lie in "
+                              "(0, 1)")

@@ -1,0 +1,383 @@
+"""The trainer backend the controller calls: the RA2P executor over jitted Ref/Actor functions.
+
+Contract (DESIGN §4): `ref_forward(batch)`, `actor_forward(batch)`, `actor_backward(vjp, logprobs,
+ref_logprobs, batch)` (forms the GRPO cotangent and accumulates), `apply()`, `swap(role, where)`,
+`export_weights()`. The step-level entry point streams micro-batches:
+
+    backend.submit(mb)            # non-blocking; callable from the event loop
+    metrics = backend.finish_step()          # or: await backend.finish_step_async()
+
+Device work runs on one worker thread (STYLE rule 12): `submit` only enqueues the host
+`MicroBatch`; the worker transfers, dispatches and, at `finish_step`, applies the update.
+
+Modes:
+- decoupled (Ref on its own mesh): per micro-batch, Ref forward on the Ref mesh, Actor forward on
+  the Actor mesh, then the backward once the Ref logprobs are moved over (`jax.device_put`). JAX's
+  async dispatch overlaps Ref forward i with Actor work of earlier micro-batches; nothing blocks
+  until the step ends (unless `sync_timings`).
+- colocated (one mesh): ready-batch aggregation — the worker takes every micro-batch queued so far
+  (≤ max_aggregate), runs Ref over all k, then Actor over the k. With `offload`, the idle model's
+  state sits in `pinned_host` memory and each phase change is one swap. `aggregate=False` is the
+  vanilla-streaming baseline (alternate per micro-batch: VS, or VSO with offload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from tiderl.models.config import ModelConfig
+from tiderl.models.policy import init_policy
+from tiderl.models.sharding import state_shardings
+from tiderl.train import ra2p
+from tiderl.train.config import TrainerConfig
+from tiderl.train.dispatch import MicroBatch
+from tiderl.train.grpo import LossSpec, normalizer
+from tiderl.train.ref_actor import (
+    batch_sharding,
+    dp_size,
+    init_train_state,
+    make_kernels,
+    make_optimizer,
+    train_shardings,
+)
+
+Role = Literal["actor", "ref"]
+Where = Literal["device", "host"]
+PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply")
+
+
+def _copy(tree: Any) -> Any:
+    # Fresh buffers: a jitted identity would forward (alias) its inputs, and the Actor state is
+    # donated on every apply.
+    return jax.tree.map(lambda a: a.copy(), tree)
+
+
+def _memory(tree: Any, kind: str) -> Any:
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), tree)
+
+
+def seqs_with_actions(mb: MicroBatch) -> int:
+    """Sequences of `mb` with at least one action token (the seq_mean divisor)."""
+    rows, cols = np.nonzero(mb.loss_mask_bt > 0)
+    return len(set(zip(rows.tolist(), mb.segment_ids_bt[rows, cols].tolist())))
+
+
+class TrainerBackend:
+    """Actor train state, frozen Ref params, the RA2P executor and its worker thread."""
+
+    def __init__(self, cfg: TrainerConfig, model_cfg: ModelConfig, *, actor_mesh: Mesh,
+                 ref_mesh: Mesh | None = None, temperature: float = 1.0, seed: int = 0,
+                 policy: tuple[nnx.GraphDef, nnx.State] | None = None,
+                 ref_params: nnx.State | None = None):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.temperature = temperature
+        self.actor_mesh = actor_mesh
+        self.ref_mesh = ref_mesh if ref_mesh is not None else actor_mesh
+        self.mode: Literal["decoupled", "colocated"] = (
+            "colocated" if self.ref_mesh is actor_mesh else "decoupled")
+        if cfg.mode != "auto" and cfg.mode != self.mode:
+            raise ValueError(f"trainer.mode={cfg.mode!r} but the backend was given "
+                             f"{'no ' if self.mode == 'colocated' else 'a '}separate Ref mesh; "
+                             "pass ref_mesh for decoupled or drop it for colocated")
+        self.spec = LossSpec.from_config(cfg)
+        self.tx = make_optimizer(cfg)
+        if policy is None:
+            policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
+        self.graphdef, params = policy
+        abstract = jax.eval_shape(lambda: params)
+        self.sh = train_shardings(abstract, self.tx, actor_mesh)
+        self.ref_param_sh = state_shardings(abstract, self.ref_mesh)
+        self.ref_params = jax.device_put(_copy(params if ref_params is None else ref_params),
+                                         self.ref_param_sh)
+        self.state = init_train_state(jax.device_put(params, self.sh.params), self.tx, self.sh)
+        self.k = make_kernels(self.graphdef, self.tx, self.spec, temperature, self.sh,
+                              ref_mesh=self.ref_mesh, ref_param_shardings=self.ref_param_sh)
+        self.rng_key = jax.random.key_data(jax.random.key(seed))
+        self.version = 0
+        self.where: dict[str, Where] = {"actor": "device", "ref": "device"}
+        self._reset_step()
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._cost_ema: dict[str, float] = {}
+        self._last_role: Role | None = None
+
+    # ------------------------------------------------------------------ contract, per call
+    def put(self, mb: MicroBatch, role: Role) -> dict:
+        mesh = self.actor_mesh if role == "actor" else self.ref_mesh
+        rows, n = mb.tokens_bt.shape[0], dp_size(mesh)
+        if rows % n:
+            raise ValueError(f"micro-batch has {rows} rows, not divisible by the {role} mesh's "
+                             f"{n} data-parallel shards; pack with n_ranks={n}")
+        return jax.device_put(mb.arrays(), batch_sharding(mesh))
+
+    def ref_forward(self, batch: dict) -> jax.Array:
+        self._ensure("ref")
+        return self.k.ref_forward(self.ref_params, batch)
+
+    def actor_forward(self, batch: dict) -> tuple[jax.Array, Any]:
+        self._ensure("actor")
+        return self.k.actor_forward(self.state["params"], batch)
+
+    def actor_backward(self, vjp: Any, logprobs: jax.Array, ref_logprobs: jax.Array,
+                       batch: dict, mb: MicroBatch) -> dict:
+        """Cotangent from (logprobs, ref, behaviour, advantages, masks), `vjp`, accumulate."""
+        self._ensure("actor")
+        if ref_logprobs.sharding != self.sh.tokens:
+            ref_logprobs = jax.device_put(ref_logprobs, self.sh.tokens)
+        if self._grads is None:
+            self._grads = self.k.zeros_like_grads(self.state["params"])
+        self._grads, metrics = self.k.backward(vjp, logprobs, ref_logprobs, batch,
+                                               jnp.int32(self.version), self._grads)
+        self._metrics.append(metrics)
+        self._n_tokens += mb.n_action_tokens
+        self._n_seqs += seqs_with_actions(mb)
+        self._n_mbs += 1
+        return metrics
+
+    def apply(self) -> dict:
+        """Normalises the accumulated gradient by the step's divisor and updates the Actor."""
+        self._ensure("actor")
+        if self._grads is None:
+            raise RuntimeError("apply() with no accumulated micro-batch; submit work first")
+        denom = normalizer(self._n_tokens, self._n_seqs, self.spec.loss_agg)
+        self.state, m = self.k.apply(self.state, self._grads, jnp.float32(denom))
+        self._grads = None
+        self.version += 1
+        return {"grad_norm": m["grad_norm"], "denom": denom}
+
+    def swap(self, role: Role, where: Where) -> float:
+        """Moves a model's state between device memory and pinned host memory; seconds taken."""
+        if self.where[role] == where:
+            return 0.0
+        t0 = time.perf_counter()
+        kind = "pinned_host" if where == "host" else "device"
+        if role == "ref":
+            self.ref_params = jax.device_put(self.ref_params, _memory(self.ref_param_sh, kind))
+            jax.block_until_ready(self.ref_params)
+        else:
+            self.state = jax.device_put(self.state, _memory(self.sh.state, kind))
+            if self._grads is not None:
+                self._grads = jax.device_put(self._grads, _memory(self.sh.params, kind))
+            jax.block_until_ready((self.state, self._grads))
+        self.where[role] = where
+        dt = time.perf_counter() - t0
+        self._times["swap"] += dt
+        self._swaps += 1
+        return dt
+
+    def export_weights(self, shardings: Any = None) -> nnx.State:
+        """A copy of the Actor params (optionally resharded for the rollout mesh)."""
+        self._ensure("actor")
+        params = _copy(self.state["params"])
+        return params if shardings is None else jax.device_put(params, shardings)
+
+    # ------------------------------------------------------------------ step-level executor
+    def submit(self, mb: MicroBatch) -> None:
+        """Queues a ready micro-batch; never blocks (device work runs on the worker thread)."""
+        self._start_worker()
+        self._q.put(("mb", mb, time.perf_counter()))
+
+    def finish_step(self) -> dict:
+        """Blocks until every submitted micro-batch is trained and the update applied."""
+        return self._finish_future().result()
+
+    async def finish_step_async(self) -> dict:
+        """`finish_step` for the event loop: awaits the worker without blocking the loop."""
+        return await asyncio.wrap_future(self._finish_future())
+
+    def _finish_future(self) -> concurrent.futures.Future:
+        self._start_worker()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put(("finish", fut, time.perf_counter()))
+        return fut
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(("stop", None, 0.0))
+            self._thread.join()
+            self._thread = None
+
+    def train_step(self, mbs: Sequence[MicroBatch]) -> dict:
+        """One step over micro-batches already ready (synchronous convenience)."""
+        for mb in mbs:
+            self.submit(mb)
+        return self.finish_step()
+
+    def fused_step(self, mbs: Sequence[MicroBatch]) -> dict:
+        """The reference step: Ref forwards, one `jax.grad` of the fused loss, the same apply."""
+        self._ensure("ref")
+        refs = [self.k.ref_forward(self.ref_params, self.put(mb, "ref")) for mb in mbs]
+        self._ensure("actor")
+        batches = [self.put(mb, "actor") for mb in mbs]
+        refs = [jax.device_put(r, self.sh.tokens) for r in refs]
+        self._grads = self.k.fused_grads(self.state["params"], batches, refs,
+                                         jnp.int32(self.version))
+        for mb in mbs:
+            self._n_tokens += mb.n_action_tokens
+            self._n_seqs += seqs_with_actions(mb)
+        out = self.apply()
+        self._reset_step()
+        return {k: float(v) for k, v in out.items()}
+
+    def advise_mode(self, ready_times: Sequence[float], m_actor: int = 1) -> ra2p.ModeChoice:
+        """RA2P choice from the measured per-micro-batch phase times (EMA) and ready times."""
+        c = self._cost_ema
+        costs = ra2p.PhaseCosts(c.get("ref", 0.0), c.get("actor_fwd", 0.0),
+                                c.get("actor_bwd", 0.0), c.get("swap", 0.0), m_actor)
+        return ra2p.choose_mode(ready_times, costs, slack=self.cfg.colocate_slack,
+                                max_aggregate=self.cfg.max_aggregate)
+
+    # ------------------------------------------------------------------ internals
+    def _reset_step(self) -> None:
+        self._grads = None
+        self._metrics: list[dict] = []
+        self._n_tokens = self._n_seqs = self._n_mbs = 0
+        self._times = dict.fromkeys(PHASES, 0.0)
+        self._swaps = 0
+        self._alternations = 0
+        self._step_t0: float | None = None
+
+    def _ensure(self, role: Role) -> None:
+        if self.mode == "colocated" and self._last_role != role:
+            # A phase change on shared devices: the paper's model alternation (VS counts these
+            # even without offload; with offload each is a pinned_host round trip).
+            self._alternations += 1
+            self._last_role = role
+        if self.mode == "colocated" and self.cfg.offload:
+            other: Role = "ref" if role == "actor" else "actor"
+            self.swap(other, "host")
+        self.swap(role, "device")
+
+    def _start_worker(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tiderl-trainer",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            t_idle = time.perf_counter()
+            kind, payload, _ = self._q.get()
+            if self._step_t0 is not None:
+                self._times["wait"] += time.perf_counter() - t_idle
+            if kind == "stop":
+                return
+            if self._error is not None:
+                if kind == "finish":
+                    payload.set_exception(self._error)
+                    self._error = None
+                    self._reset_step()
+                continue
+            try:
+                if kind == "finish":
+                    payload.set_result(self._finish())
+                    continue
+                if self._step_t0 is None:
+                    self._step_t0 = time.perf_counter()
+                group = [payload]
+                finish = None
+                while len(group) < self._group_cap():
+                    try:
+                        nxt = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt[0] != "mb":
+                        finish = nxt
+                        break
+                    group.append(nxt[1])
+                self._process(group)
+                if finish is not None:  # keep order: a finish queued behind this group
+                    if finish[0] == "stop":
+                        return
+                    finish[1].set_result(self._finish())
+            except BaseException as e:  # noqa: BLE001 - surfaced by finish_step
+                if kind == "finish":
+                    payload.set_exception(e)
+                else:
+                    self._error = e
+
+    def _group_cap(self) -> int:
+        if self.mode == "colocated" and self.cfg.aggregate:
+            return self.cfg.max_aggregate
+        return 1
+
+    def _timed(self, phase: str, fn, *args, block: bool):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        if block:
+            jax.block_until_ready(out)
+        self._times[phase] += time.perf_counter() - t0
+        return out
+
+    def _process(self, group: list[MicroBatch]) -> None:
+        sync = self.cfg.sync_timings
+        if self.mode == "decoupled":
+            for mb in group:
+                b_ref, b_act = self.put(mb, "ref"), self.put(mb, "actor")
+                ref = self._timed("ref", self.ref_forward, b_ref, block=sync)
+                lp, vjp = self._timed("actor_fwd", self.actor_forward, b_act, block=sync)
+                self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b_act, mb, block=sync)
+            return
+        # Colocated: Ref over the whole ready group, then Actor over it. The phases share the
+        # devices, so blocking at phase ends costs nothing and gives exact phase times.
+        refs = []
+        for mb in group:
+            refs.append(self._timed("ref", self.ref_forward, self.put(mb, "actor"), block=False))
+        jax.block_until_ready(refs)
+        for mb, ref in zip(group, refs, strict=True):
+            b = self.put(mb, "actor")
+            lp, vjp = self._timed("actor_fwd", self.actor_forward, b, block=sync)
+            self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b, mb, block=sync)
+        jax.block_until_ready(self._grads)
+
+    def _finish(self) -> dict:
+        if self._n_mbs == 0:
+            raise RuntimeError("finish_step() with no submitted micro-batch; submit at least one")
+        t0 = time.perf_counter()
+        out = self.apply()
+        jax.block_until_ready(self.state)
+        self._times["apply"] += time.perf_counter() - t0
+        sums = jax.device_get(jax.tree.map(lambda *x: sum(x), *self._metrics))
+        n_tok = max(self._n_tokens, 1)
+        metrics = {
+            "loss": float(sums["loss_sum"]) / out["denom"],
+            "pg_loss": float(sums["pg_sum"]) / out["denom"],
+            "kl": float(sums["kl_sum"]) / n_tok,
+            "clip_frac": float(sums["clipped_tokens"]) / n_tok,
+            "stale_frac": float(sums["stale_tokens"]) / n_tok,
+            "ratio_mean": float(sums["ratio_sum"]) / n_tok,
+            "grad_norm": float(out["grad_norm"]),
+            "action_tokens": self._n_tokens,
+            "sequences": self._n_seqs,
+            "microbatches": self._n_mbs,
+            "swaps": self._swaps,
+            "alternations": self._alternations,
+            "version": self.version,
+            "mode": self.mode,
+            "step_time": time.perf_counter() - (self._step_t0 or t0),
+        }
+        metrics.update({f"time_{k}": v for k, v in self._times.items()})
+        for k in ("ref", "actor_fwd", "actor_bwd"):
+            self._ema(k, self._times[k] / self._n_mbs)
+        if self._swaps:
+            self._ema("swap", self._times["swap"] / self._swaps)
+        self._reset_step()
+        return metrics
+
+    def _ema(self, key: str, value: float, alpha: float = 0.3) -> None:
+        old = self._cost_ema.get(key)
+        self._cost_ema[key] = value if old is None else (1 - alpha) * old + alpha * value
+

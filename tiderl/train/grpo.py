@@ -1,0 +1,141 @@
+"""GRPO loss on per-token logprobs, and its cotangent ∂L/∂logprobs for the deferred backward.
+
+The whole loss is a function of per-token logprobs (actor, ref, behaviour), advantages and masks,
+so the Actor forward can return `jax.vjp` of params → logprobs and the loss — KL included — is
+formed only when the Ref logprobs arrive: cotangent = ∂L/∂logprobs, grads = vjp(cotangent).
+
+Per action token t (ρ_t = exp(logp_t − behaviour_t)):
+- fresh tokens (version = trainer version, or no versions): PPO clip against the behaviour
+  logprobs, `−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)`; dual clip caps a negative-advantage token's
+  loss at `−c·A`.
+- stale tokens (version < trainer version): the behaviour policy is an older one, so a trust
+  region around it would clip nearly every token; they get a truncated importance weight
+  instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style).
+- KL to the reference, `kl_coef · k(logp, ref)` with k1 = logp − ref, k2 = ½(logp − ref)²,
+  k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's unbiased, non-negative estimator).
+
+Aggregation keeps micro-batches exact under accumulation: each micro-batch contributes a *sum*
+`Σ_t w_t ℓ_t` (token_mean: w_t = mask_t; seq_mean: w_t = mask_t / action tokens of t's sequence)
+and the step divides the accumulated gradient once by its normaliser (action tokens, or
+sequences with an action). `group_advantages` (numpy) is re-exported from train/advantages.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from tiderl.train.advantages import GroupAdvantages, group_advantages
+from tiderl.train.config import TrainerConfig
+
+__all__ = ["GroupAdvantages", "LossSpec", "cotangent", "group_advantages", "kl_estimate",
+           "loss_sum", "normalizer", "token_logprobs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """The static (hashable) part of the loss, closed over by the jitted functions."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0
+    is_cap: float = 2.0
+    kl_coef: float = 0.001
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    use_versions: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> LossSpec:
+        return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+                   is_cap=cfg.is_cap, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                   loss_agg=cfg.loss_agg)
+
+
+def token_logprobs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"],
+                   temperature: float) -> Float[Array, "B T"]:
+    """`log_softmax(logits_f32 / T)[tokens[t]]` from the logits at t − 1; 0 at t = 0.
+
+    Full-vocabulary softmax at the engine's temperature: the engine's logprob contract.
+    """
+    logits = logits_btv[:, :-1].astype(jnp.float32) / jnp.float32(temperature)
+    logp_btv = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp_btv, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def kl_estimate(logp_bt: Array, ref_bt: Array, estimator: str) -> Array:
+    """Per-token KL(π‖π_ref) estimate from samples of π."""
+    log_r = ref_bt - logp_bt
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r * log_r
+    if estimator == "k3":
+        return jnp.expm1(log_r) - log_r
+    raise ValueError(f"kl_estimator={estimator!r}; use 'k1', 'k2' or 'k3' (trainer.kl_estimator)")
+
+
+def _token_weights(batch: dict, agg: str) -> Array:
+    mask = batch["loss_mask_bt"]
+    if agg == "token_mean":
+        return mask
+    seg = batch["segment_ids_bt"]
+    # Action tokens of each token's own sequence: O(T²) like the attention mask, and exact.
+    same_btt = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    count_bt = jnp.einsum("bts,bs->bt", same_btt.astype(jnp.float32), mask)
+    return mask / jnp.maximum(count_bt, 1.0)
+
+
+def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: dict,
+             version: Array, spec: LossSpec) -> tuple[Array, dict]:
+    """`Σ_t w_t ℓ_t` of one micro-batch and summed metrics (divide by the step normaliser)."""
+    mask = batch["loss_mask_bt"]
+    adv = batch["advantages_bt"]
+    behav = batch["behaviour_logprobs_bt"]
+    w = _token_weights(batch, spec.loss_agg)
+    log_ratio = jnp.where(mask > 0, logp_bt - behav, 0.0)
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - spec.clip_low, 1.0 + spec.clip_high)
+    pg = -jnp.minimum(ratio * adv, clipped * adv)
+    if spec.dual_clip:
+        pg = jnp.where(adv < 0, jnp.minimum(pg, -spec.dual_clip * adv), pg)
+    if spec.use_versions:
+        stale = (batch["versions_bt"] < version) & (mask > 0)
+        is_w = jnp.minimum(jax.lax.stop_gradient(ratio), spec.is_cap)
+        # exp(x − sg(x)) is 1 in value with gradient ∇x: the IS-weighted policy gradient.
+        pg_stale = -is_w * adv * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
+        pg = jnp.where(stale, pg_stale, pg)
+    else:
+        stale = jnp.zeros_like(mask, dtype=bool)
+    kl = kl_estimate(logp_bt, ref_bt, spec.kl_estimator)
+    per_tok = pg + spec.kl_coef * kl
+    total = jnp.sum(jnp.where(w > 0, w * per_tok, 0.0))
+    on = mask > 0
+    metrics = {
+        "loss_sum": total,
+        "pg_sum": jnp.sum(jnp.where(w > 0, w * pg, 0.0)),
+        "kl_sum": jnp.sum(jnp.where(on, kl, 0.0)),
+        "clipped_tokens": jnp.sum(on & ~stale & (clipped != ratio)),
+        "stale_tokens": jnp.sum(stale),
+        "action_tokens": jnp.sum(mask),
+        "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),
+    }
+    return total, metrics
+
+
+def cotangent(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: dict,
+              version: Array, spec: LossSpec) -> tuple[Float[Array, "B T"], dict]:
+    """∂(Σ w ℓ)/∂logprobs: elementwise, so this is exactly what fused autodiff forms inside."""
+    grad_fn = jax.grad(loss_sum, has_aux=True)
+    return grad_fn(logp_bt, ref_bt, batch, version, spec)
+
+
+def normalizer(n_action_tokens: int, n_seqs_with_actions: int, agg: str) -> float:
+    """The step's divisor: action tokens (token_mean) or sequences with an action (seq_mean)."""
+    n = n_action_tokens if agg == "token_mean" else n_seqs_with_actions
+    return float(max(n, 1))

@@ -1,0 +1,188 @@
+"""Jitted Ref forward, Actor forward (returning its `jax.vjp`), deferred backward, optimizer apply.
+
+Everything here is a factory closing over static things (graphdef, temperature, loss spec,
+optimizer, shardings) and returning module-level-style jitted pure functions of pytrees:
+
+- `ref_forward(ref_params, batch) -> ref_logprobs_bt`
+- `actor_forward(params, batch) -> (logprobs_bt, vjp)`: the `jax.vjp` object is a pytree
+  (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
+- `backward(vjp, logprobs_bt, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
+  cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum.
+  `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
+- `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
+  clips by global norm, AdamW with a schedule; train state and gradient sum donated.
+
+The train state is `{"params", "opt", "step"}`; its shardings (optimizer moments included) are
+computed once from the abstract state and pinned as in/out shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tiderl.models.sharding import optimizer_shardings, state_shardings
+from tiderl.train.config import TrainerConfig
+from tiderl.train.grpo import LossSpec, cotangent, loss_sum, token_logprobs
+
+BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "loss_mask_bt",
+              "behaviour_logprobs_bt", "advantages_bt", "versions_bt")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over every data-parallel axis of `mesh` (the logical 'batch' rule)."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))
+
+
+def dp_size(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW under a warmup + constant/cosine schedule."""
+    if cfg.lr_schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0 if cfg.warmup_steps else cfg.lr, cfg.lr, max(cfg.warmup_steps, 0),
+            cfg.warmup_steps + cfg.decay_steps, end_value=0.0)
+    elif cfg.warmup_steps:
+        sched = optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), optax.constant_schedule(cfg.lr)],
+            [cfg.warmup_steps])
+    else:
+        sched = optax.constant_schedule(cfg.lr)
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+    parts.append(optax.adamw(sched, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                             weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
+    """params, batch -> per-token logprobs at the engine's temperature (fp32)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: training logprobs need T > 0; greedy "
+                         "rollouts (rollout.temperature=0) cannot be trained with GRPO")
+
+    def logprobs(params: nnx.State, batch: dict) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+        return token_logprobs(logits, batch["tokens_bt"], temperature)
+
+    return logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainShardings:
+    """Pinned shardings of the Actor train state and of its gradient sum."""
+
+    state: Any
+    params: Any
+    batch: NamedSharding
+    tokens: NamedSharding
+
+
+def train_shardings(abstract_params: Any, tx: optax.GradientTransformation,
+                    mesh: Mesh) -> TrainShardings:
+    params = state_shardings(abstract_params, mesh)
+    opt = optimizer_shardings(tx, abstract_params, params, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return TrainShardings({"params": params, "opt": opt, "step": replicated}, params,
+                          batch_sharding(mesh), batch_sharding(mesh))
+
+
+def init_train_state(params: nnx.State, tx: optax.GradientTransformation,
+                     sh: TrainShardings) -> dict:
+    """{"params", "opt", "step"} with the optimizer state created in its pinned shardings."""
+    make = jax.jit(lambda p: {"params": p, "opt": tx.init(p), "step": jnp.zeros((), jnp.int32)},
+                   in_shardings=(sh.params,), out_shardings=sh.state)
+    return make(params)
+
+
+@dataclasses.dataclass
+class Kernels:
+    """The jitted functions of one (graphdef, mesh) pair; `traces` counts retraces per name."""
+
+    ref_forward: Any
+    actor_forward: Any
+    backward: Any
+    actor_backward: Any
+    apply: Any
+    zeros_like_grads: Any
+    fused_grads: Any
+    traces: dict[str, int]
+
+
+def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
+                 temperature: float, sh: TrainShardings,
+                 ref_mesh: Mesh | None = None, ref_param_shardings: Any = None) -> Kernels:
+    """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate)."""
+    logprobs = make_logprobs(graphdef, temperature)
+    traces: dict[str, int] = {}
+
+    def count(name: str) -> None:
+        traces[name] = traces.get(name, 0) + 1  # runs at trace time only
+
+    def ref_fwd(ref_params, batch):
+        count("ref_forward")
+        return logprobs(ref_params, batch)
+
+    ref_tokens = batch_sharding(ref_mesh) if ref_mesh is not None else sh.tokens
+    ref_forward = jax.jit(
+        ref_fwd, in_shardings=(ref_param_shardings if ref_param_shardings is not None
+                               else sh.params, ref_tokens),
+        out_shardings=ref_tokens)
+
+    def actor_fwd(params, batch):
+        count("actor_forward")
+        return jax.vjp(lambda p: logprobs(p, batch), params)
+
+    actor_forward = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+
+    def bwd(vjp, logp, ref_logp, batch, version, acc):
+        count("backward")
+        cot, metrics = cotangent(logp, ref_logp, batch, version, spec)
+        (g,) = vjp(cot)
+        return jax.tree.map(jnp.add, acc, g), metrics
+
+    backward = jax.jit(bwd, donate_argnums=(0, 5), out_shardings=(sh.params, None))
+
+    def bare_bwd(vjp, cot):
+        count("actor_backward")
+        return vjp(cot)[0]
+
+    actor_backward = jax.jit(bare_bwd, out_shardings=sh.params)
+
+    def apply_fn(state, grads_sum, denom):
+        count("apply")
+        grads = jax.tree.map(lambda g: g / denom, grads_sum)
+        gnorm = optax.global_norm(grads)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt, "step": state["step"] + 1}, {"grad_norm": gnorm}
+
+    apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
+                    out_shardings=(sh.state, None), donate_argnums=(0, 1))
+
+    zeros_like_grads = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                               in_shardings=(sh.params,), out_shardings=sh.params)
+
+    def fused(params, batches, refs, version):
+        """The reference path: one `jax.grad` through the whole loss, summed over batches."""
+        count("fused")
+
+        def total(p):
+            out = 0.0
+            for b, r in zip(batches, refs, strict=True):
+                out = out + loss_sum(logprobs(p, b), r, b, version, spec)[0]
+            return out
+
+        return jax.grad(total)(params)
+
+    fused_grads = jax.jit(fused, out_shardings=sh.params)
+    return Kernels(ref_forward, actor_forward, backward, actor_backward, apply,
+                   zeros_like_grads, fused_grads, traces)
