@@ -1,0 +1,210 @@
+"""Turn templates: prompts, actions and observations as token ids for a model family. No JAX.
+
+The trajectory is kept as token ids end to end: the first prompt and every observation are
+rendered here once, the action tokens are exactly what the engine sampled (never decoded and
+re-encoded), and `Transcript` records a loss mask that is 1 on action tokens only.
+
+Templates work on any tokenizer with `encode(str) -> list[int]` (no specials added),
+`decode(list[int]) -> str`, `token_to_id(str)` and the ids `bos_id`, `eos_id`, `im_start_id`,
+`im_end_id` (see tiderl/models/tokenizer.py). Text between special tokens is encoded as one run,
+as a tokenizer would encode the whole rendered chat, so HF tokenizers give the same ids as
+`apply_chat_template` (tests check ChatML against transformers).
+
+Families:
+  byte    <bos><im_start>obs<im_end><im_start> action<im_end> <im_start>obs<im_end><im_start> ...
+          (the embedded default: role markers only, no role names, so tiny models see few tokens)
+  chatml  Qwen2 / Qwen2.5: <|im_start|>user\\nobs<|im_end|>\\n<|im_start|>assistant\\n ...
+  llama3  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nobs<|eot_id|>...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+Part = str | int  # text, or a special token id
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnTemplate:
+    """Where the special tokens go around user observations and assistant actions."""
+
+    tokenizer: Any
+    name: str
+    begin: tuple[Part, ...]
+    user_open: tuple[Part, ...]
+    user_close: tuple[Part, ...]
+    assistant_open: tuple[Part, ...]
+    stop: tuple[int, ...]
+    """Tokens that end an action; the first is the one a truncated action is closed with."""
+    after_action: tuple[Part, ...] = ()
+    """Template text following an action's stop token (ChatML's newline); not model-generated."""
+    system_open: tuple[Part, ...] = ()
+    system_close: tuple[Part, ...] = ()
+    extra_stop: tuple[int, ...] = ()
+    """Also end an action (e.g. <|endoftext|>) but are not used to close one."""
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end an action (the engine's stop set)."""
+        return frozenset(self.stop + self.extra_stop)
+
+    def render(self, parts: Iterable[Part]) -> list[int]:
+        """Token ids of `parts`, encoding each run of adjacent text once."""
+        ids: list[int] = []
+        run: list[str] = []
+        for p in parts:
+            if isinstance(p, str):
+                run.append(p)
+                continue
+            if run:
+                ids += self.tokenizer.encode("".join(run))
+                run = []
+            ids.append(int(p))
+        if run:
+            ids += self.tokenizer.encode("".join(run))
+        return ids
+
+    def _user_turn(self, text: str) -> list[Part]:
+        return [*self.user_open, text, *self.user_close, *self.assistant_open]
+
+    def prompt(self, observation: str, *, system: str | None = None) -> list[int]:
+        """The task's first prefill: begin, optional system turn, first observation, and the
+        assistant header the action is generated after."""
+        parts: list[Part] = list(self.begin)
+        if system is not None:
+            if not self.system_open:
+                raise ValueError(f"template {self.name!r} has no system turn; pass system=None")
+            parts += [*self.system_open, system, *self.system_close]
+        return self.render(parts + self._user_turn(observation))
+
+    def observation(self, text: str, *, action_stopped: bool = True) -> list[int]:
+        """Tokens that follow an action: (a closing stop token if the action was cut off at the
+        action limit), the template's tail, the observation turn and the next assistant
+        header."""
+        parts: list[Part] = [] if action_stopped else [self.stop[0]]
+        return self.render(parts + [*self.after_action] + self._user_turn(text))
+
+    def action_text(self, action_ids: Sequence[int]) -> str:
+        """The action as text for the env: the sampled ids, without a final stop token."""
+        ids = list(action_ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids)
+
+    def stopped(self, action_ids: Sequence[int]) -> bool:
+        return bool(action_ids) and action_ids[-1] in self.stop_ids
+
+
+@dataclasses.dataclass
+class Transcript:
+    """One task's token ids and loss mask, appended turn by turn (no re-tokenisation)."""
+
+    template: TurnTemplate
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    action_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """[start, end) of each action in `tokens`."""
+    _stopped: bool = True
+
+    @classmethod
+    def start(cls, template: TurnTemplate, observation: str, *, system: str | None = None
+              ) -> Transcript:
+        t = cls(template)
+        t._extend(template.prompt(observation, system=system), 0)
+        return t
+
+    def _extend(self, ids: Sequence[int], mask: int) -> None:
+        self.tokens += ids
+        self.loss_mask += [mask] * len(ids)
+
+    def add_action(self, action_ids: Sequence[int]) -> str:
+        """Appends the sampled action ids (loss mask 1); returns the action text for the env."""
+        start = len(self.tokens)
+        self._extend(action_ids, 1)
+        self.action_spans.append((start, len(self.tokens)))
+        self._stopped = self.template.stopped(action_ids)
+        return self.template.action_text(action_ids)
+
+    def add_observation(self, text: str) -> list[int]:
+        """Appends the env's reply (loss mask 0); returns the new ids (the next prefill)."""
+        ids = self.template.observation(text, action_stopped=self._stopped)
+        self._extend(ids, 0)
+        self._stopped = True
+        return ids
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _special(tok: Any, *names: str, attr: str | None = None) -> int:
+    if attr is not None and getattr(tok, attr, None) is not None:
+        return int(getattr(tok, attr))
+    for n in names:
+        i = tok.token_to_id(n) if hasattr(tok, "token_to_id") else None
+        if i is not None:
+            return int(i)
+    raise ValueError(f"tokenizer {type(tok).__name__} has none of the special tokens "
+                     f"{names}; pick a template family that matches the tokenizer")
+
+
+def byte_template(tok: Any) -> TurnTemplate:
+    """Role markers only: the compact default for the byte tokenizer and tiny models."""
+    ims = _special(tok, "<|im_start|>", attr="im_start_id")
+    ime = _special(tok, "<|im_end|>", attr="im_end_id")
+    bos = _special(tok, "<bos>", "<s>", attr="bos_id")
+    return TurnTemplate(tok, "byte", begin=(bos,), user_open=(ims,), user_close=(ime,),
+                        assistant_open=(ims,), stop=(ime,))
+
+
+def chatml_template(tok: Any) -> TurnTemplate:
+    """ChatML, as Qwen2/Qwen2.5 use it (no default system prompt is inserted)."""
+    ims = _special(tok, "<|im_start|>")
+    ime = _special(tok, "<|im_end|>")
+    eos = getattr(tok, "eos_id", None)
+    return TurnTemplate(
+        tok, "chatml", begin=(), user_open=(ims, "user\n"), user_close=(ime, "\n"),
+        assistant_open=(ims, "assistant\n"), stop=(ime,), after_action=("\n",),
+        system_open=(ims, "system\n"), system_close=(ime, "\n"),
+        extra_stop=() if eos is None or eos == ime else (int(eos),))
+
+
+def llama3_template(tok: Any) -> TurnTemplate:
+    """Llama 3 headers (no default system prompt or date line is inserted)."""
+    bot = _special(tok, "<|begin_of_text|>")
+    sh, eh = _special(tok, "<|start_header_id|>"), _special(tok, "<|end_header_id|>")
+    eot = _special(tok, "<|eot_id|>")
+    eos = tok.token_to_id("<|end_of_text|>")
+    return TurnTemplate(
+        tok, "llama3", begin=(bot,), user_open=(sh, "user", eh, "\n\n"), user_close=(eot,),
+        assistant_open=(sh, "assistant", eh, "\n\n"), stop=(eot,),
+        system_open=(sh, "system", eh, "\n\n"), system_close=(eot,),
+        extra_stop=() if eos is None else (int(eos),))
+
+
+FAMILIES = {"byte": byte_template, "chatml": chatml_template, "llama3": llama3_template}
+
+
+def template_for(tok: Any, family: str = "auto") -> TurnTemplate:
+    """The template `family` for `tok`; 'auto' picks byte, chatml or llama3 from its specials."""
+    if family != "auto":
+        if family not in FAMILIES:
+            raise ValueError(f"unknown template family {family!r}; use auto, "
+                             f"{', '.join(FAMILIES)}")
+        return FAMILIES[family](tok)
+    lookup = getattr(tok, "token_to_id", lambda _: None)
+    if getattr(tok, "vocab_size", 1 << 30) <= 512 and getattr(tok, "im_start_id", None) is not None:
+        return byte_template(tok)
+    if lookup("<|im_start|>") is not None:
+        return chatml_template(tok)
+    if lookup("<|start_header_id|>") is not None:
+        return llama3_template(tok)
+    raise ValueError(f"cannot tell the chat template of {type(tok).__name__}; set the template "
+                     f"family explicitly ({', '.join(FAMILIES)})")
