@@ -168,7 +168,10 @@ def chatml_template(tok: Any) -> TurnTemplate:
     """ChatML, as Qwen2/Qwen2.5 use it (no default system prompt is inserted)."""
     ims = _special(tok, "<|im_start|>")
     ime = _special(tok, "<|im_end|>")
-    eos = getattr(tok, "eos_id", None)
+    # Qwen also stops on <|endoftext|>; looked up by name, since an eos_id of 0 is easy to lose.
+    eos = tok.token_to_id("<|endoftext|>")
+    if eos is None:
+        eos = getattr(tok, "eos_id", None)
     return TurnTemplate(
         tok, "chatml", begin=(), user_open=(ims, "user\n"), user_close=(ime, "\n"),
         assistant_open=(ims, "assistant\n"), stop=(ime,), after_action=("\n",),
@@ -200,8 +203,9 @@ def template_for(tok: Any, family: str = "auto") -> TurnTemplate:
                              f"{', '.join(FAMILIES)}")
         return FAMILIES[family](tok)
     lookup = getattr(tok, "token_to_id", lambda _: None)
-    if getattr(tok, "vocab_size", 1 << 30) <= 512 and getattr(tok, "im_start_id", None) is not None:
-        return byte_template(tok)
+    if (getattr(tok, "vocab_size", 1 << 30) <= 512 and getattr(tok, "bos_id", None) is not None
+            and getattr(tok, "im_start_id", None) is not None and tok.encode("ab") == [97, 98]):
+        return byte_template(tok)  # a byte tokenizer: ids are the bytes themselves
     if lookup("<|im_start|>") is not None:
         return chatml_template(tok)
     if lookup("<|start_header_id|>") is not None:
