@@ -58,6 +58,14 @@ Where = Literal["device", "host"]
 PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply")
 
 
+_KERNELS: dict[tuple, tuple] = {}
+
+
+def _opt_key(cfg: TrainerConfig) -> tuple:
+    return (cfg.lr, cfg.weight_decay, cfg.grad_clip, cfg.warmup_steps, cfg.lr_schedule,
+            cfg.decay_steps, cfg.adam_b1, cfg.adam_b2, cfg.adam_eps)
+
+
 def _copy(tree: Any) -> Any:
     # Fresh buffers: a jitted identity would forward (alias) its inputs, and the Actor state is
     # donated on every apply.
@@ -92,18 +100,25 @@ class TrainerBackend:
                              f"{'no ' if self.mode == 'colocated' else 'a '}separate Ref mesh; "
                              "pass ref_mesh for decoupled or drop it for colocated")
         self.spec = LossSpec.from_config(cfg)
-        self.tx = make_optimizer(cfg)
         if policy is None:
             policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
         self.graphdef, params = policy
         abstract = jax.eval_shape(lambda: params)
-        self.sh = train_shardings(abstract, self.tx, actor_mesh)
-        self.ref_param_sh = state_shardings(abstract, self.ref_mesh)
+        key = (self.graphdef, self.spec, _opt_key(cfg), temperature, actor_mesh, self.ref_mesh)
+        if key not in _KERNELS:
+            # One compiled set per (model, loss, optimizer, meshes): backends built for other
+            # modes of the same job (VS/VSO/CM, tests) share the compilation.
+            tx = make_optimizer(cfg)
+            sh = train_shardings(abstract, tx, actor_mesh)
+            ref_sh = state_shardings(abstract, self.ref_mesh)
+            _KERNELS[key] = (tx, sh, ref_sh, make_kernels(
+                self.graphdef, tx, self.spec, temperature, sh, ref_mesh=self.ref_mesh,
+                ref_param_shardings=ref_sh))
+        self.tx, self.sh, self.ref_param_sh, self.k = _KERNELS[key]
         self.ref_params = jax.device_put(_copy(params if ref_params is None else ref_params),
                                          self.ref_param_sh)
-        self.state = init_train_state(jax.device_put(params, self.sh.params), self.tx, self.sh)
-        self.k = make_kernels(self.graphdef, self.tx, self.spec, temperature, self.sh,
-                              ref_mesh=self.ref_mesh, ref_param_shardings=self.ref_param_sh)
+        self.state = init_train_state(jax.device_put(_copy(params), self.sh.params), self.tx,
+                                      self.sh)
         self.rng_key = jax.random.key_data(jax.random.key(seed))
         self.version = 0
         self.where: dict[str, Where] = {"actor": "device", "ref": "device"}
@@ -177,6 +192,11 @@ class TrainerBackend:
         self._times["swap"] += dt
         self._swaps += 1
         return dt
+
+    def logprobs(self, mb: MicroBatch) -> np.ndarray:
+        """The current policy's per-token logprobs of `mb` on the host (evals, on-policy tests)."""
+        self._ensure("actor")
+        return np.asarray(self.k.logprobs(self.state["params"], self.put(mb, "actor")))
 
     def export_weights(self, shardings: Any = None) -> nnx.State:
         """A copy of the Actor params (optionally resharded for the rollout mesh)."""

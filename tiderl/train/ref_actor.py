@@ -108,6 +108,7 @@ class Kernels:
     """The jitted functions of one (graphdef, mesh) pair; `traces` counts retraces per name."""
 
     ref_forward: Any
+    logprobs: Any
     actor_forward: Any
     backward: Any
     actor_backward: Any
@@ -136,6 +137,13 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         ref_fwd, in_shardings=(ref_param_shardings if ref_param_shardings is not None
                                else sh.params, ref_tokens),
         out_shardings=ref_tokens)
+
+    def policy_logprobs(params, batch):
+        count("logprobs")
+        return logprobs(params, batch)
+
+    policy_lp = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch),
+                        out_shardings=sh.tokens)
 
     def actor_fwd(params, batch):
         count("actor_forward")
@@ -184,5 +192,5 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         return jax.grad(total)(params)
 
     fused_grads = jax.jit(fused, out_shardings=sh.params)
-    return Kernels(ref_forward, actor_forward, backward, actor_backward, apply,
+    return Kernels(ref_forward, policy_lp, actor_forward, backward, actor_backward, apply,
                    zeros_like_grads, fused_grads, traces)
