@@ -98,8 +98,10 @@ def test_greedy_multiturn_matches_full_recompute(model):
     assert c.computed_new == 11 + (1 + 3) + (1 + 21) + (1 + 1) and c.recomputed_evicted == 0
     assert c.prompt_tokens_served == 0 + (17 - 1) + (26 - 1) + (53 - 1)
     # One trace per bucket used: decode at B=1; prefill at T=16 (11, the 21-chunk), 4 (4, 2), 8 (5)
-    assert eng.trace_counts == {("decode", 1, 1): 1, ("prefill", 1, 16): 1,
-                                ("prefill", 1, 4): 1, ("prefill", 1, 8): 1}
+    # (engines of one config share compiled kernels, so other tests may add buckets).
+    assert {("decode", 1, 1), ("prefill", 1, 16), ("prefill", 1, 4),
+            ("prefill", 1, 8)} <= set(eng.trace_counts)
+    assert all(n == 1 for n in eng.trace_counts.values()), eng.trace_counts
 
 
 def test_sampled_logprobs_equal_trainer_recompute(model):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -85,9 +86,15 @@ class DecodeState:
     slots: list[Prefix | None]
 
 
+@functools.cache
 def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
-              top_p: float, keep_logits: bool, trace_counts: collections.Counter):
-    """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T)."""
+              top_p: float, keep_logits: bool):
+    """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T).
+
+    Cached on its static arguments so engines of one model in one process share compiled code;
+    the returned function's `trace_counts` counts traces per (kind, B, T).
+    """
+    trace_counts: collections.Counter = collections.Counter()
 
     def step(params, pools, run_key, tokens_bt, start_b, n_new_b, page_table_bp, task_ids_b,
              temperature_b):
@@ -106,7 +113,12 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
         return cache.pools, packed_b2, (logits_bv if keep_logits else None)
 
-    return jax.jit(step, donate_argnums=(1,))
+    jitted = jax.jit(step, donate_argnums=(1,))
+    jitted.trace_counts = trace_counts
+    return jitted
+
+
+_copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
 
 
 def _spec(params) -> tuple[Any, list[tuple]]:
@@ -147,12 +159,11 @@ class Engine:
         self.keep_logits = keep_logits
         self.logits_log: list[tuple[int, int, np.ndarray]] = []
         """(task_id, position, logits_v) of every sampled token when keep_logits (tests)."""
-        self.trace_counts: collections.Counter = collections.Counter()
         common = dict(impl=self.attention, interpret=self.interpret, top_k=cfg.top_k,
-                      top_p=cfg.top_p, keep_logits=keep_logits, trace_counts=self.trace_counts)
+                      top_p=cfg.top_p, keep_logits=keep_logits)
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
-        self._copy_fn = jax.jit(copy_pages, donate_argnums=(0,))
+        self._copy_fn = _copy_pages
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
         self.state: DecodeState | None = None
@@ -358,6 +369,11 @@ class Engine:
         return children
 
     # -- views ---------------------------------------------------------------------------------
+    @property
+    def trace_counts(self) -> collections.Counter:
+        """Traces per (kind, B, T) of this engine's kernels (shared by same-config engines)."""
+        return self._prefill_fn.trace_counts + self._decode_fn.trace_counts
+
     def stats(self) -> dict[str, float]:
         """Counters plus gauges (pages in use / shared, KV hit rate)."""
         out = dataclasses.asdict(self.counters)
