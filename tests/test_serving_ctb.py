@@ -1,0 +1,194 @@
+"""CTB scheduling properties over random workloads (hypothesis), and targeted cases."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiderl.serving.ctb import (
+    Admit,
+    CTBConfig,
+    CTBScheduler,
+    Pause,
+    Resume,
+    Task,
+    VanillaScheduler,
+)
+
+CFG = CTBConfig(action_reserve=8, env_concurrency=40, budget_fraction=1.0)
+
+
+class CheckedCTB(CTBScheduler):
+    """Records, at the moment of each resume, whether the affinity rank had headroom."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.affinity_violations: list[str] = []
+
+    def resume_rank(self, t, ranks):
+        home = self.affinity(t)
+        home_fits = home is not None and home in ranks and (
+            self.usage(home, Task(**{**t.__dict__})) <= self.budget(home))
+        rank = super().resume_rank(t, ranks)
+        if home_fits and rank != home:
+            self.affinity_violations.append(t.task_id)
+        return rank
+
+
+workloads = st.fixed_dictionaries({
+    "ranks": st.integers(1, 3),
+    "capacity": st.integers(300, 900),
+    "groups": st.lists(
+        st.fixed_dictionaries({
+            "size": st.integers(1, 4),
+            "prompt": st.integers(10, 60),
+            "turns": st.integers(1, 5),
+            "growth": st.integers(5, 40),
+            "eval": st.booleans(),
+        }),
+        min_size=1, max_size=8,
+    ),
+    "seed": st.integers(0, 10_000),
+})
+
+
+def check_round(s: CTBScheduler, decisions, before: dict[str, str]):
+    ids = list(s.tasks)
+    # No task lost or duplicated: each id in exactly one place, queue entries unique.
+    queued = [tid for tids in s.queue.values() for tid in tids]
+    assert len(queued) == len(set(queued))
+    for tid in ids:
+        t = s.tasks[tid]
+        assert (tid in queued) == (t.state == "new"), tid
+        if t.state == "active":
+            assert t.rank is not None and t.rank in s.live_ranks()
+    # Each decision matches the task's state before the round.
+    for d in decisions:
+        if isinstance(d, Admit):
+            assert before[d.task_id] == "new"
+        elif isinstance(d, Resume):
+            assert before[d.task_id] in ("paused", "active")  # active: paused earlier this round
+        elif isinstance(d, Pause):
+            assert before[d.task_id] == "active" or any(
+                isinstance(e, Resume) and e.task_id == d.task_id for e in decisions)
+    # Budgets hold (workloads keep every single task below a rank's budget).
+    for r in s.live_ranks():
+        assert s.usage(r) <= s.budget(r), (r, s.usage(r), s.budget(r))
+    # Paused tasks are resumed before new ones are admitted: no paused task would have fit on a
+    # rank in the room that this round's admissions took.
+    admitted = {d.task_id for d in decisions if isinstance(d, Admit)}
+    for r in {d.rank for d in decisions if isinstance(d, Admit)}:
+        kept = [t for t in s.active_on(r) if t.task_id not in admitted]
+        for p in (t for t in s.tasks.values() if t.state == "paused"):
+            assert s._usage_of(kept + [p]) > s.budget(r), (p.task_id, r)
+    # Eval tasks are paused only when even evicting every non-eval task would not make room.
+    for p in (t for t in s.tasks.values() if t.state == "paused" and t.is_eval):
+        for r in s.live_ranks():
+            evals = [t for t in s.active_on(r) if t.is_eval]
+            assert s._usage_of(evals + [p]) > s.budget(r)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads)
+def test_ctb_invariants_under_random_workloads(w):
+    rng = random.Random(w["seed"])
+    max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
+    cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
+    s = CheckedCTB(CFG, [cap] * w["ranks"], max_context=max_ctx + 1)
+    turns_left: dict[str, int] = {}
+    growth: dict[str, int] = {}
+    for gi, g in enumerate(w["groups"]):
+        tasks = [Task(task_id=f"g{gi}t{j}", group_id=f"g{gi}", prompt_tokens=g["prompt"],
+                      is_eval=g["eval"], task_type=f"type{gi % 2}") for j in range(g["size"])]
+        s.submit(tasks)
+        for t in tasks:
+            turns_left[t.task_id] = g["turns"]
+            growth[t.task_id] = g["growth"]
+    killed = False
+    for _ in range(400):
+        before = {tid: t.state for tid, t in s.tasks.items()}
+        decisions = s.schedule()
+        check_round(s, decisions, before)
+        active = [t for t in s.tasks.values() if t.state == "active"]
+        if not active:
+            assert all(t.state == "done" for t in s.tasks.values()), "stalled with work left"
+            break
+        t = rng.choice(active)
+        event = rng.random()
+        if event < 0.15:
+            s.set_executing(t.task_id, not t.executing)
+        elif turns_left[t.task_id] == 0:
+            s.finish(t.task_id)
+        else:
+            turns_left[t.task_id] -= 1
+            s.update_usage(t.task_id, t.tokens + growth[t.task_id], executing=True)
+        if not killed and w["ranks"] > 1 and event > 0.97:
+            s.remove_rank(w["ranks"] - 1)
+            killed = True
+    else:
+        raise AssertionError("workload did not finish in 400 events")
+    assert s.affinity_violations == []
+    assert sum(s.group_done.values()) == len(s.tasks)
+
+
+def test_over_budget_pauses_lowest_priority_and_resumes_on_affinity():
+    s = CTBScheduler(CTBConfig(action_reserve=0, budget_fraction=1.0), [100, 100],
+                     max_context=100)
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30) for n in "abcd"])
+    s.schedule()
+    on0 = sorted(t.task_id for t in s.active_on(0))
+    assert len(on0) == 2
+    big, small = on0
+    s.update_usage(big, 60)
+    s.update_usage(small, 45)
+    s.update_usage(next(t.task_id for t in s.active_on(1)), 90)  # rank 1 has no headroom
+    got = s.schedule()
+    # The shorter context is the lower tier: it is paused; it fits nowhere, so it stays paused.
+    assert Pause(small, 0) in got and s.tasks[small].state == "paused"
+    s.finish(next(t.task_id for t in s.active_on(1)))
+    s.finish(big)
+    got = s.schedule()
+    # Both ranks have room now; the task resumes where its KV may still be resident.
+    assert Resume(small, 0, False) in got
+
+
+def test_eval_preempts_and_group_completion_outranks_activity():
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id=f"g{i}", group_id="G", prompt_tokens=10) for i in range(2)])
+    s.submit([Task(task_id="x", group_id="X", prompt_tokens=10)])
+    s.schedule()
+    s.finish("g0")
+    s.set_executing("x", True)
+    # g1's group is half done: it outranks x, which is executing but from an empty group.
+    assert s.priority(s.tasks["g1"]) > s.priority(s.tasks["x"])
+    s.submit([Task(task_id="e", group_id="E", prompt_tokens=95, is_eval=True)])
+    got = s.schedule()
+    # It only fits once both non-eval tasks are paused: the lower tier (x) goes first.
+    assert got == [Pause("x", 0), Pause("g1", 0), Admit("e", 0)]
+
+
+def test_vanilla_caps_concurrency_and_never_pauses():
+    s = VanillaScheduler(CTBConfig(vanilla_concurrency=3), [10, 10], max_context=100)
+    s.submit([Task(task_id=f"t{i}", group_id=f"g{i // 2}", prompt_tokens=50) for i in range(6)])
+    got = s.schedule()
+    assert len(got) == 3 and all(isinstance(d, Admit) for d in got)
+    s.finish(got[0].task_id)
+    got2 = s.schedule()
+    assert len(got2) == 1 and isinstance(got2[0], Admit)
+
+
+def test_staleness_throttle_and_quarantine():
+    s = CTBScheduler(CTBConfig(action_reserve=0), [1000, 1000], max_context=100)
+    s.submit([Task(task_id=f"t{i}", group_id=f"g{i}", prompt_tokens=10) for i in range(5)])
+    s.set_admission_limit(2)
+    assert len(s.schedule()) == 2
+    s.set_admission_limit(None)
+    got = s.schedule()
+    assert len(got) == 3
+    moved = s.remove_rank(0)
+    got = s.schedule()
+    assert {d.task_id for d in got} >= set(moved)
+    assert all(d.rank == 1 for d in got)
