@@ -73,7 +73,7 @@ def open_loop_rate(n: int, k: int) -> tuple[Fraction, tuple[int, ...]]:
 def optimal_policy(n: int, k: int):
     """(value, policy) of the best closed-loop policy, by exhaustive game-tree search."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def value(cands: frozenset[int], left: int) -> tuple[Fraction, int]:
         if left == 0 or not cands:
             return Fraction(0), 1

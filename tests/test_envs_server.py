@@ -190,3 +190,24 @@ async def test_bad_task_is_422_and_bad_suite_option_fails_at_startup():
         assert r.reason == EndReason.env_error and "422" in r.error and "'n'" in r.error
     with pytest.raises(ValueError, match="env.options"):
         EnvServer(GuessNumber, dataclasses.replace(EnvConfig(), options=("n=50",)))
+
+
+async def test_injected_latency_keeps_results_and_shows_in_metrics():
+    from tiderl.envs.config import LatencyConfig
+
+    latency = LatencyConfig(dist="pareto", scale_s=0.005, alpha=2.0, cap_s=0.05)
+    async with serving(latency=latency) as (server, _, env):
+        tasks = [{"task_id": f"t{i}", "seed": i} for i in range(16)]
+        results = await asyncio.gather(*(binary_search(env, t) for t in tasks))
+        assert [r for r, _ in results] == [0.0 if target_of(i, 8) == 8 else 1.0
+                                           for i in range(16)]
+        # Each step waited at least its injected delay (a lower bound: sleep never returns
+        # early by more than the loop's clock resolution, 1 ms here).
+        from tiderl.envs.latency import LatencyModel
+
+        model = LatencyModel(latency)
+        injected = sum(model.sample(t["task_id"], turn) for t, (_, turns) in zip(tasks, results, strict=True)
+                       for turn in range(1, turns + 1))
+        total = server.metrics.step_s.collect()[0].samples
+        step_sum = next(s.value for s in total if s.name.endswith("_sum"))
+        assert step_sum >= injected - 0.001 * len(tasks) * 3

@@ -68,6 +68,12 @@ def _field(body: Mapping[str, Any], name: str, kind: type, *, required: bool = T
                              f", got {type(value).__name__}")
 
 
+def _session(body: Mapping[str, Any]) -> str:
+    value = _id(body, "session", required=True)
+    assert value is not None  # required=True raised otherwise
+    return value
+
+
 def _id(body: Mapping[str, Any], name: str, *, required: bool) -> str | None:
     value = _field(body, name, str, required=required)
     if value is not None and not 0 < len(value) <= MAX_ID_CHARS:
@@ -97,7 +103,7 @@ class StepRequest:
     @classmethod
     def parse(cls, body: Any, *, max_action_chars: int) -> StepRequest:
         body = _require_object(body)
-        session = _id(body, "session", required=True)
+        session = _session(body)
         action = _field(body, "action", str)
         if len(action) > max_action_chars:
             raise ProtocolError(413, f"field 'action' has {len(action)} characters, over the "
@@ -117,7 +123,7 @@ class SessionRequest:
     @classmethod
     def parse(cls, body: Any) -> SessionRequest:
         body = _require_object(body)
-        return cls(session=_id(body, "session", required=True),
+        return cls(session=_session(body),
                    request_id=_id(body, "request_id", required=False))
 
 

@@ -52,10 +52,10 @@ class Adapter(abc.ABC):
     def close(self) -> tuple[float, dict[str, Any]]:
         """Ends the episode (done or not); returns (final reward, JSON-able info)."""
 
-    def pause(self) -> None:
+    def pause(self) -> None:  # noqa: B027 - optional hook, a no-op for most suites
         """The task is parked by the scheduler; stop any env-internal clocks."""
 
-    def resume(self) -> None:
+    def resume(self) -> None:  # noqa: B027 - optional hook, a no-op for most suites
         """The task continues after a pause."""
 
 
