@@ -286,3 +286,23 @@ def test_stop_reasons(model):
         assert len(h.tokens) == 24
     h2 = eng2.prefill(None, None, np.arange(30), 30, task_id=10)
     assert h2.stop_reason == StopReason.CONTEXT_LIMIT and h2.slot is None
+
+
+def test_pallas_engine_matches_reference_engine(model):
+    """The fast path (Pallas decode in interpret mode, dot_product_attention prefill)."""
+    runs = []
+    for attention in ("reference", "pallas"):
+        eng, state = _engine(model, temperature=0.0, attention=attention)
+        assert eng.attention == attention and eng.interpret
+        hs = [eng.prefill(None, None, np.arange(n) + n, n, task_id=n) for n in (5, 13)]
+        for h in hs:
+            state = eng.insert(h, state)
+        state = _decode_until_done(eng, state, hs)
+        hs[0] = eng.prefill(None, hs[0], [1, 2, 3], 3)
+        state = eng.insert(hs[0], state)
+        state = _decode_until_done(eng, state, hs)
+        runs.append(([h.tokens for h in hs], eng.logits_log))
+    assert runs[0][0] == runs[1][0]
+    for (t0, p0, l0), (t1, p1, l1) in zip(runs[0][1], runs[1][1], strict=True):
+        assert (t0, p0) == (t1, p1)
+        np.testing.assert_allclose(l1, l0, atol=1e-5, rtol=0)
