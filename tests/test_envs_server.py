@@ -117,11 +117,13 @@ async def _post(http, url, path, *, data=None, json=None, headers=None):
 
 
 async def test_bad_input_gets_4xx_json_naming_the_problem():
-    async with serving(Boom, max_action_chars=16, max_request_bytes=4096) as (server, url, env):
+    async with serving(Boom, max_action_chars=16, max_request_bytes=200_000) as (server, url, env):
         s = await env.start({"task_id": "t"})
         async with aiohttp.ClientSession() as http:
             status, body = await _post(http, url, "/observation", data=b"{not json")
             assert status == 400 and "malformed JSON" in body["error"]
+            status, body = await _post(http, url, "/start", data=b"[" * 100_000)
+            assert status == 400 and "nested too deeply" in body["error"]
             status, body = await _post(http, url, "/observation", json=[1, 2])
             assert status == 400 and "JSON object" in body["error"]
             status, body = await _post(http, url, "/observation",
@@ -138,7 +140,7 @@ async def test_bad_input_gets_4xx_json_naming_the_problem():
                                        json={"session": s.session, "action": "a" * 17})
             assert status == 413 and "max_action_chars" in body["error"]
             status, body = await _post(http, url, "/observation",
-                                       json={"session": s.session, "action": "a" * 9000})
+                                       json={"session": s.session, "action": "a" * 300_000})
             assert status == 413 and "max_request_bytes" in body["error"]
             async with http.get(url + "/start") as resp:
                 assert resp.status == 405 and "not allowed" in (await resp.json())["error"]
@@ -211,3 +213,13 @@ async def test_injected_latency_keeps_results_and_shows_in_metrics():
         total = server.metrics.step_s.collect()[0].samples
         step_sum = next(s.value for s in total if s.name.endswith("_sum"))
         assert step_sum >= injected - 0.001 * len(tasks) * 3
+
+
+async def test_endpoint_serves_in_process_when_no_url_is_configured():
+    from tiderl.envs.server import endpoint
+
+    async with endpoint(EnvConfig()) as url:
+        async with EnvClient(url) as env:
+            assert (await env.health()).body["suite"] == "default"
+    async with endpoint(EnvConfig(url="http://127.0.0.1:9")) as url:
+        assert url == "http://127.0.0.1:9"

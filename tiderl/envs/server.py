@@ -197,6 +197,9 @@ class EnvServer:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ProtocolError(400, f"malformed JSON body ({e}); send a JSON object") from None
+        except RecursionError:
+            raise ProtocolError(400, "JSON body nested too deeply; send a flat JSON object"
+                                ) from None
 
     def _live(self, session_id: str) -> _Session:
         s = self._sessions.get(session_id)
@@ -412,6 +415,18 @@ class EnvServer:
     @property
     def live_sessions(self) -> int:
         return len(self._sessions)
+
+
+@contextlib.asynccontextmanager
+async def endpoint(cfg: EnvConfig) -> AsyncIterator[str]:
+    """The env server URL a job talks to: `cfg.url`, or (when '') one served in-process."""
+    if cfg.url:
+        yield cfg.url
+        return
+    from tiderl.envs.suites import adapter_class
+
+    async with EnvServer(adapter_class(cfg.suite), cfg).serve() as url:
+        yield url
 
 
 _ROUTES = {"/start", "/observation", "/end", "/pause", "/resume", "/health", "/metrics"}

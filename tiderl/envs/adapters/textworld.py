@@ -72,6 +72,8 @@ def _clean(text: str) -> str:
     if any("$$" in line for line in lines):  # first observation: drop the banner
         lines = [line for line in lines if not _BANNER_LINE.match(line) or not line.strip()]
     text = "\n".join(line.rstrip() for line in lines)
+    text = text.replace("Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last "
+                        "command?", "")
     text = re.sub(r"\n{3,}", "\n\n", text).strip()
     return text.removesuffix(">").strip()
 
