@@ -105,3 +105,18 @@ def test_serve_entry_point_rejects_bad_config():
     r = subprocess.run([sys.executable, "-m", "tiderl.envs", "serve", "--suite", "nope"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "env.suite" in r.stderr
+
+
+def test_default_task_rates_stated_in_the_readme_hold():
+    import importlib.util
+    from fractions import Fraction
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "default_task.py"
+    spec = importlib.util.spec_from_file_location("default_task_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rates = bench.measure(8, 3)
+    assert (rates["random"], rates["open_loop_best"], rates["optimal"]) == (
+        Fraction(169, 512), Fraction(3, 8), Fraction(7, 8))
+    assert rates["open_loop_best"] <= rates["optimal"] / 2

@@ -10,5 +10,13 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "EnvServer": "tiderl.envs.server",
     "LatencyConfig": "tiderl.envs.config",
     "Step": "tiderl.envs.adapters.base",
+    "TaskSource": "tiderl.envs.tasks",
+    "TaskStream": "tiderl.envs.tasks",
+    "Transcript": "tiderl.envs.templates",
+    "TurnTemplate": "tiderl.envs.templates",
     "adapter_class": "tiderl.envs.suites",
+    "endpoint": "tiderl.envs.server",
+    "eval_tasks": "tiderl.envs.tasks",
+    "grain_iterator": "tiderl.envs.tasks",
+    "template_for": "tiderl.envs.templates",
 })

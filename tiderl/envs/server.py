@@ -284,6 +284,8 @@ class EnvServer:
             adapter = self._make(self._options)
         except TaskError as e:
             return 422, {"error": f"bad suite options: {e}"}
+        except Exception as e:  # noqa: BLE001 - an env failure is a 500 value, not a crash
+            return 500, {"error": f"environment failed to start: {type(e).__name__}: {e}"}
         delay = self._latency.sample(task_id, 0)
         if delay:
             await asyncio.sleep(delay)
