@@ -1,0 +1,154 @@
+"""Rollout ranks + episode runner end to end: real engines, a real env server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tiderl.envs.config import EnvConfig
+from tiderl.envs.protocol import EndReason
+from tiderl.envs.server import endpoint
+from tiderl.envs.client import EnvClient
+from tiderl.envs.tasks import TaskSource
+from tiderl.envs.templates import template_for
+from tiderl.models.config import ModelConfig
+from tiderl.models.policy import init_policy
+from tiderl.models.tokenizer import ByteTokenizer
+from tiderl.serving.config import RolloutConfig
+from tiderl.serving.ctb import CTBConfig, make_scheduler
+from tiderl.serving.engine import Engine
+from tiderl.serving.rank import RolloutRank
+from tiderl.serving.rollout import RolloutManager
+
+pytestmark = pytest.mark.asyncio
+
+MODEL = ModelConfig(vocab_size=272, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                    mlp_dim=64)
+TEMPERATURE = 1.0
+
+
+def rollout_cfg(**kw) -> RolloutConfig:
+    tok = ByteTokenizer()
+    tmpl = template_for(tok, "byte")
+    base = dict(num_pages=64, page_size=8, max_slots=8, max_context=256, max_action_tokens=4,
+                temperature=TEMPERATURE, decode_buckets=(8,), prefill_buckets=(16, 64),
+                stop_tokens=tuple(sorted(tmpl.stop_ids)))
+    return RolloutConfig(**{**base, **kw})
+
+
+class FlakyEngine(Engine):
+    """Raises on its `fail_at`-th decode step: a device failure mid-step."""
+
+    fail_at = 10**9
+
+    def generate(self, params, decode_state):
+        self.fail_at -= 1
+        if self.fail_at <= 0:
+            raise RuntimeError("injected device failure")
+        return super().generate(params, decode_state)
+
+
+def build(n_ranks: int, rcfg: RolloutConfig, engine_cls=Engine):
+    graphdef, params = init_policy(MODEL, seed=0)
+    engines = [engine_cls(graphdef, jax.device_put(params, jax.devices()[i]), MODEL, rcfg,
+                          seed=123) for i in range(n_ranks)]
+    return graphdef, params, engines
+
+
+async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=None):
+    tok = ByteTokenizer()
+    tmpl = template_for(tok, "byte")
+    ranks = [RolloutRank(i, e) for i, e in enumerate(engines)]
+    for r in ranks:
+        await r.start()
+    cap = rcfg.num_pages * rcfg.page_size
+    sched = make_scheduler(scheduler, ctb or CTBConfig(action_reserve=rcfg.max_action_tokens),
+                           [cap] * len(ranks), max_context=rcfg.max_context)
+    src = TaskSource("default", "train", groups=groups, group_size=group_size)
+    async with endpoint(EnvConfig()) as url, EnvClient(url) as env:
+        mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=4)
+        trajs = await asyncio.gather(*(mgr.run_group(src.element(k)) for k in range(groups)))
+    for r in ranks:
+        await r.close()
+    return [t for g in trajs for t in g], mgr
+
+
+def full_logprobs(graphdef, params, tokens):
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    t = jnp.asarray(tokens)[None]
+    logits, _ = model(t, jnp.arange(t.shape[1])[None], jnp.ones_like(t))
+    logp = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32) / TEMPERATURE, axis=-1)
+    return np.asarray(jnp.take_along_axis(logp, t[0, 1:, None], -1)[:, 0])
+
+
+async def test_every_task_ends_and_trajectories_are_what_the_engine_produced():
+    rcfg = rollout_cfg()
+    graphdef, params, engines = build(2, rcfg)
+    trajs, mgr = await play(engines, rcfg)
+    assert len(trajs) == 12 and len({t.task_id for t in trajs}) == 12
+    for t in trajs:
+        assert t.end_reason in (EndReason.done, EndReason.turn_limit, EndReason.context_limit)
+        assert t.reward in (0.0, 1.0)
+        assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
+        assert sum(t.loss_mask) >= t.turns
+        # Token in, token out: a trainer-side forward over the trajectory's ids reproduces the
+        # engine's behaviour logprobs on every action token (fp32, 1e-4 whole-model tolerance).
+        ref = full_logprobs(graphdef, params, t.tokens)
+        mask = np.asarray(t.loss_mask[1:], bool)
+        got = np.asarray(t.logprobs[1:])[mask]
+        assert np.max(np.abs(got - ref[mask])) < 1e-4
+        assert all(v == 0 for v, m in zip(t.versions, t.loss_mask) if m)
+    stats = mgr.stats()
+    assert stats["prompt_tokens"] > 0 and stats["cached_tokens"] > 0
+    assert stats["decisions"]["admit"] == 12
+
+
+async def test_vanilla_under_memory_pressure_evicts_and_still_finishes():
+    rcfg = rollout_cfg(num_pages=12, max_slots=4, decode_buckets=(4,))
+    _, _, engines = build(1, rcfg)
+    trajs, mgr = await play(engines, rcfg, scheduler="vanilla", groups=2, group_size=4,
+                            ctb=CTBConfig(vanilla_concurrency=8))
+    assert len(trajs) == 8
+    assert all(t.ok for t in trajs)
+    assert mgr.stats()["forced_evictions"] > 0
+
+
+async def test_failed_rank_is_quarantined_and_its_tasks_finish_elsewhere():
+    rcfg = rollout_cfg()
+    graphdef, params, engines = build(2, rcfg, engine_cls=FlakyEngine)
+    engines[1].fail_at = 3
+    trajs, mgr = await play(engines, rcfg, groups=2, group_size=4)
+    assert 1 in mgr.sched.dead
+    assert len(trajs) == 8 and all(t.ok for t in trajs), [t.end_reason for t in trajs]
+    assert mgr.stats()["decisions"]["migrate"] > 0
+    for t in trajs:  # migrated tasks re-prefilled elsewhere: still the engine's own logprobs
+        ref = full_logprobs(graphdef, params, t.tokens)
+        mask = np.asarray(t.loss_mask[1:], bool)
+        assert np.max(np.abs(np.asarray(t.logprobs[1:])[mask] - ref[mask])) < 1e-4
+
+
+async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
+    rcfg = rollout_cfg()
+    _, _, engines = build(1, rcfg)
+    rank = RolloutRank(0, engines[0])
+    await rank.start()
+    tok = ByteTokenizer()
+    r1 = await rank.turn(7, tok.encode("hello there"))
+    rank.pause(7)
+    r2 = await rank.turn(7, tok.encode(" again"))
+    assert r1.cached_tokens == 0 and r2.cached_tokens >= len("hello there")
+    moved, unfed = await rank.release(7)
+    assert moved is not None and moved.slot is None and unfed is None
+    with pytest.raises(ValueError, match="has ended"):
+        rank.turn(7, [], moved)  # a finished action needs the next observation
+    r3 = await rank.turn(7, tok.encode(" ok"), moved)
+    assert r3.cached_tokens == 0 and r3.computed_tokens >= len(moved.tokens)
+    assert rank.failed is None
+    await rank.close()

@@ -1,0 +1,383 @@
+"""RolloutRank: one engine driven across many tasks' turns. No JAX.
+
+The rank owns one object that implements the engine contract (`tiderl.serving.engine`, or a
+simulated engine) and one worker thread: every engine call runs there, in one executor call per
+loop iteration (control ops, a batch of prefills, one decode step), and results come back to the
+event loop through the executor's thread-safe callbacks. The event loop never touches the engine.
+
+A task's turn: `await rank.turn(task_id, new_tokens)` appends the observation tokens (prefill
+computes only what is not resident), decodes the action, and returns a `TurnResult`. Between
+turns the task's KV stays resident. CTB's decisions arrive as `pause` (keep the KV, evictable
+LRU when pages run short, or evict at once), `release` (migration: the KV is dropped and the
+task's `Prefix`, host data only, moves to another rank that re-prefills it), and `finish`.
+When the engine runs out of pages or slots, the rank evicts the least recently used idle task
+(waiting on its environment or paused) and retries: that is all the baseline policy does, and
+CTB's budgets make it rare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tiderl.serving.pages import PoolExhaustedError, Prefix, StopReason
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """The rank's engine raised; the rank is quarantined and its tasks must migrate."""
+
+
+@dataclasses.dataclass
+class TurnResult:
+    """One finished turn: the action exactly as sampled, and the KV accounting of its prefill."""
+
+    action_tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    """Weight version that sampled each action token."""
+    stop_reason: StopReason
+    prompt_tokens: int
+    """Context tokens the turn's prefill needed (vLLM's 'queried')."""
+    cached_tokens: int
+    """Of those, served from resident KV (the KV hit)."""
+    computed_tokens: int
+    rank: int
+
+
+@dataclasses.dataclass
+class _Task:
+    prefix: Prefix | None
+    pending: list[int] | None = None
+    future: asyncio.Future[TurnResult] | None = None
+    decoding: bool = False
+    paused: bool = False
+    last_used: float = 0.0
+    versions: list[int] = dataclasses.field(default_factory=list)
+    turn_prompt: int = 0
+    turn_cached: int = 0
+    turn_computed: int = 0
+    empty_action: bool = False
+
+
+@dataclasses.dataclass
+class RankStats:
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    decode_tokens: int = 0
+    decode_steps: int = 0
+    forced_evictions: int = 0
+    pause_evictions: int = 0
+    migrations_in: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def kv_hit_rate(self) -> float:
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+
+class RolloutRank:
+    """Drives one engine through the contract for many concurrent multi-turn tasks."""
+
+    def __init__(self, rank_id: int, engine: Any, *, evict_on_pause: bool = False,
+                 max_prefills_per_step: int = 8):
+        self.rank_id = rank_id
+        self.engine = engine
+        self.evict_on_pause = evict_on_pause
+        self.max_prefills_per_step = max_prefills_per_step
+        self.tasks: dict[int, _Task] = {}
+        self.stats = RankStats()
+        self.failed: BaseException | None = None
+        self._ops: list[tuple[str, Any]] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._runner: asyncio.Task[None] | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"rank{rank_id}")
+        self._state: Any = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._state = await loop.run_in_executor(self._pool, self.engine.init_decode_state)
+        self._runner = asyncio.create_task(self._run(), name=f"rank{self.rank_id}")
+
+    async def close(self) -> dict[int, tuple[Prefix | None, list[int] | None]]:
+        """Stops the loop; hands back every task (handle copy, unprefilled tokens) to migrate."""
+        self._closed = True
+        self._wake.set()
+        if self._runner is not None:
+            await asyncio.gather(self._runner, return_exceptions=True)
+        handed = {tid: self._snapshot(self.tasks.pop(tid), evict=False)
+                  for tid in list(self.tasks)}
+        self._pool.shutdown(wait=True)
+        return handed
+
+    # -- the caller's API (event-loop thread) ---------------------------------------------------
+    @property
+    def version(self) -> int:
+        return int(self.engine.version)
+
+    def turn(self, task_id: int, new_tokens: Sequence[int],
+             prefix: Prefix | None = None) -> asyncio.Future[TurnResult]:
+        """Appends `new_tokens` to the task's context and decodes its next action.
+
+        `prefix` adopts a migrated task's handle (its KV is re-prefilled here).
+        """
+        if self.failed is not None:
+            raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
+        t = self.tasks.get(task_id)
+        handle = t.prefix if t is not None else prefix
+        if not new_tokens and (handle is None or handle.done):
+            raise ValueError(f"task {task_id}: an empty turn continues an unfinished action "
+                             "only; this one has ended, so pass the next observation's tokens")
+        if t is None:
+            t = self.tasks[task_id] = _Task(prefix=prefix)
+            if prefix is not None:
+                self.stats.migrations_in += 1
+        if t.future is not None and not t.future.done():
+            raise RuntimeError(f"task {task_id} already has a turn in flight on rank "
+                               f"{self.rank_id}")
+        t.pending = list(new_tokens)
+        t.paused = False
+        t.versions = []
+        t.future = asyncio.get_running_loop().create_future()
+        self._wake.set()
+        return t.future
+
+    def pause(self, task_id: int) -> None:
+        """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`)."""
+        t = self.tasks.get(task_id)
+        if t is None:
+            return
+        t.paused = True
+        if self.evict_on_pause and not t.decoding and t.pending is None:
+            self._ops.append(("evict", task_id))
+            self._wake.set()
+
+    def abort_turn(self, task_id: int) -> None:
+        """Cancels the task's in-flight turn (it is migrating); the engine is not touched."""
+        t = self.tasks.get(task_id)
+        if t is not None and t.future is not None and not t.future.done():
+            t.future.cancel()
+
+    async def release(self, task_id: int) -> tuple[Prefix | None, list[int] | None]:
+        """The task migrates away: a copy of its handle (KV not resident) and the tokens it was
+        given but never prefilled. Its KV here is dropped."""
+        if task_id not in self.tasks:
+            return None, None
+        if self.failed is not None or self._runner is None or self._runner.done():
+            return self._snapshot(self.tasks.pop(task_id), evict=False)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._ops.append(("release", (task_id, done)))
+        self._wake.set()
+        return await done
+
+    def finish(self, task_id: int) -> None:
+        t = self.tasks.pop(task_id, None)
+        if t is not None and t.prefix is not None and t.prefix.slot is not None:
+            self._ops.append(("free", t.prefix))
+            self._wake.set()
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        """Swaps weights between engine steps; stale KV is flushed, in-flight actions continue
+        after a fresh prefill."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._ops.append(("weights", (params, version, done)))
+        self._wake.set()
+        await done
+
+    def kv_stats(self) -> dict[str, float]:
+        s = self.engine.stats() if hasattr(self.engine, "stats") else {}
+        return {**s, "active": sum(not t.paused for t in self.tasks.values()),
+                "paused": sum(t.paused for t in self.tasks.values())}
+
+    # -- internals ------------------------------------------------------------------------------
+    def _snapshot(self, t: _Task, *, evict: bool) -> tuple[Prefix | None, list[int] | None]:
+        # Futures are cancelled on the loop thread only (abort_turn, close, the failed path).
+        if not evict and t.future is not None and not t.future.done():
+            t.future.cancel()
+        p = t.prefix
+        if p is None:
+            return None, t.pending
+        if evict and p.slot is not None:
+            self.engine.evict(p)
+        copy = dataclasses.replace(p, tokens=list(p.tokens), logprobs=list(p.logprobs),
+                                   slot=None, kv_length=0, decoding=False)
+        return copy, t.pending
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._closed:
+                ops, self._ops = self._ops, []
+                ready = [tid for tid, t in self.tasks.items()
+                         if t.pending is not None and not t.paused]
+                ready.sort(key=lambda tid: self.tasks[tid].last_used)
+                ready = ready[: self.max_prefills_per_step]
+                decoding = any(t.decoding for t in self.tasks.values())
+                if not ops and not ready and not decoding:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                t0 = time.perf_counter()
+                finished, replies = await loop.run_in_executor(self._pool, self._device_step,
+                                                               ops, ready)
+                self.stats.busy_s += time.perf_counter() - t0
+                for fut, value in replies:
+                    if not fut.done():
+                        fut.set_result(value)
+                for tid, result in finished:
+                    t = self.tasks.get(tid)
+                    if t is not None and t.future is not None and not t.future.done():
+                        t.future.set_result(result)
+                for op, arg in ops:
+                    if op == "weights" and not arg[2].done():
+                        arg[2].set_result(None)
+        except Exception as e:  # a bug or device failure: quarantine, hand tasks back
+            log.exception("rank %d failed", self.rank_id)
+            self.failed = e
+            for t in self.tasks.values():
+                if t.future is not None and not t.future.done():
+                    t.future.set_exception(RankFailedError(f"rank {self.rank_id}: {e!r}"))
+            for op, arg in self._ops:
+                fut = arg[2] if op == "weights" else arg[1] if op == "release" else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(RankFailedError(f"rank {self.rank_id}: {e!r}"))
+
+    # Everything below runs on the worker thread.
+    def _device_step(self, ops: list[tuple[str, Any]], ready: list[int]
+                     ) -> tuple[list[tuple[int, TurnResult]], list[tuple[Any, Any]]]:
+        eng = self.engine
+        replies: list[tuple[Any, Any]] = []
+        for op, arg in ops:
+            if op == "release":
+                tid, fut = arg
+                t = self.tasks.pop(tid, None)
+                replies.append((fut, (None, None) if t is None else self._snapshot(t, evict=True)))
+            elif op == "free":
+                eng.free(arg)
+            elif op == "evict":
+                p = getattr(self.tasks.get(arg), "prefix", None)
+                if p is not None and p.slot is not None and not p.decoding:
+                    eng.evict(p)
+                    self.stats.pause_evictions += 1
+            elif op == "weights":
+                params, version, _ = arg
+                eng.update_weights(params, version=version)
+                # Actions in flight continue after a fresh prefill of what was flushed.
+                for t in self.tasks.values():
+                    if t.decoding:
+                        t.decoding = False
+                        t.pending = t.pending or []
+        finished: list[tuple[int, TurnResult]] = []
+        for tid in ready:
+            t = self.tasks.get(tid)
+            if t is None or t.pending is None:
+                continue
+            if not self._prefill(tid, t):
+                break  # out of memory with nothing evictable: retry next step
+            if t.prefix is not None and t.prefix.done:
+                finished.append((tid, self._result(t)))
+        if any(t.decoding for t in self.tasks.values()):
+            finished += self._decode()
+        return finished, replies
+
+    def _prefill(self, tid: int, t: _Task) -> bool:
+        eng = self.engine
+        c0 = dataclasses.replace(eng.counters)
+        new = t.pending or []
+        n_before = len(t.prefix.tokens) if t.prefix is not None else 0
+        while True:
+            try:
+                p = eng.prefill(None, t.prefix, new, len(new), task_id=tid)
+                if not p.done:
+                    self._state = eng.insert(p, self._state)
+                break
+            except PoolExhaustedError:
+                if not self._evict_lru(exclude=tid):
+                    return False
+        c1 = eng.counters
+        t.prefix, t.pending = p, None
+        t.last_used = time.monotonic()
+        if p.stop_reason == StopReason.CONTEXT_LIMIT and len(p.tokens) == n_before:
+            # Refused before running: the observation does not fit; the action is empty.
+            t.versions = []
+            t.decoding = False
+            t.empty_action = True
+            return True
+        t.turn_prompt += c1.prompt_tokens_queried - c0.prompt_tokens_queried
+        t.turn_cached += c1.prompt_tokens_served - c0.prompt_tokens_served
+        t.turn_computed += (c1.computed_new + c1.recomputed_evicted + c1.recomputed_version
+                            - c0.computed_new - c0.recomputed_evicted - c0.recomputed_version)
+        n_sampled = len(p.action_tokens) - len(t.versions)
+        t.versions += [eng.version] * max(0, n_sampled)
+        t.decoding = not p.done
+        return True
+
+    def _decode(self) -> list[tuple[int, TurnResult]]:
+        eng = self.engine
+        while True:
+            try:
+                self._state, res = eng.generate(None, self._state)
+                break
+            except PoolExhaustedError:
+                if not self._evict_lru(exclude=None):
+                    # Only decoding tasks hold pages: preempt the one with least progress.
+                    victim = min((tid for tid, t in self.tasks.items() if t.decoding),
+                                 key=lambda tid: len(self.tasks[tid].prefix.action_tokens))
+                    v = self.tasks[victim]
+                    eng.evict(v.prefix)
+                    v.decoding, v.pending = False, []
+                    self.stats.forced_evictions += 1
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(res.slots)
+        out = []
+        by_slot = {t.prefix.slot: (tid, t) for tid, t in self.tasks.items()
+                   if t.decoding and t.prefix is not None}
+        for slot in res.slots.tolist():
+            tid, t = by_slot[slot]
+            t.versions.append(eng.version)
+            t.last_used = time.monotonic()
+            if t.prefix.done:
+                t.decoding = False
+                out.append((tid, self._result(t)))
+        return out
+
+    def _evict_lru(self, *, exclude: int | None) -> bool:
+        idle = [(t.last_used, tid) for tid, t in self.tasks.items()
+                if tid != exclude and not t.decoding and t.prefix is not None
+                and t.prefix.slot is not None]
+        if not idle:
+            return False
+        _, tid = min(idle)
+        self.engine.evict(self.tasks[tid].prefix)
+        self.stats.forced_evictions += 1
+        return True
+
+    def _result(self, t: _Task) -> TurnResult:
+        p = t.prefix
+        assert p is not None
+        empty = t.empty_action
+        t.empty_action = False
+        r = TurnResult(action_tokens=[] if empty else list(p.action_tokens),
+                       logprobs=[] if empty else list(p.logprobs),
+                       versions=list(t.versions), stop_reason=p.stop_reason,
+                       prompt_tokens=t.turn_prompt, cached_tokens=t.turn_cached,
+                       computed_tokens=t.turn_computed, rank=self.rank_id)
+        s = self.stats
+        s.turns += 1
+        s.prompt_tokens += t.turn_prompt
+        s.cached_tokens += t.turn_cached
+        s.computed_tokens += t.turn_computed
+        t.turn_prompt = t.turn_cached = t.turn_computed = 0
+        return r
