@@ -148,7 +148,9 @@ async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
     assert moved is not None and moved.slot is None and unfed is None
     with pytest.raises(ValueError, match="has ended"):
         rank.turn(7, [], moved)  # a finished action needs the next observation
+    n = len(moved.tokens)
     r3 = await rank.turn(7, tok.encode(" ok"), moved)
-    assert r3.cached_tokens == 0 and r3.computed_tokens >= len(moved.tokens)
+    # Everything is recomputed on adoption: the whole old context plus the new tokens.
+    assert r3.cached_tokens == 0 and r3.computed_tokens == r3.prompt_tokens == n + 3
     assert rank.failed is None
     await rank.close()
