@@ -255,8 +255,9 @@ class Engine:
         st.slots[h.slot] = h
         h.tokens.extend(new)
         if new:
-            h.action_start, h.logprobs, h.stop_reason = end, [], StopReason.NONE
-        self._count_compute(h, start, end, prompt=True)
+            h.action_start, h.logprobs, h.versions = end, [], []
+            h.stop_reason = StopReason.NONE
+        self._count_compute(h, start, end)
         self._apply_copies(copies)
         chunk = self.cfg.prefill_buckets[-1]
         for c0 in range(start, end, chunk):
@@ -363,7 +364,8 @@ class Engine:
                            action_start=min(h.action_start, h.kv_length),
                            temperature=h.temperature, max_action_tokens=h.max_action_tokens,
                            computed_max=h.kv_length)
-            child.logprobs = h.logprobs[: max(0, h.kv_length - h.action_start)]
+            n_act = max(0, h.kv_length - h.action_start)
+            child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
             st.slots[slot] = child
             children.append(child)
         return children
@@ -400,6 +402,7 @@ class Engine:
         token = int(packed_2[0])
         h.tokens.append(token)
         h.logprobs.append(float(np.asarray(packed_2[1], np.int32).view(np.float32)))
+        h.versions.append(self.version)
         if logits_v is not None:
             self.logits_log.append((h.task_id, len(h.tokens) - 1, logits_v))
         if token in self.cfg.stop_tokens:
@@ -411,8 +414,9 @@ class Engine:
         if h.done:
             h.decoding = False
 
-    def _count_compute(self, h: Prefix, start: int, end: int, *, prompt: bool) -> None:
+    def _count_compute(self, h: Prefix, start: int, end: int) -> None:
         c = self.counters
+        h.prefill_computed, h.prefill_cached = end - start, start
         c.prompt_tokens_queried += end
         c.prompt_tokens_served += start
         redo = max(0, min(end, h.computed_max) - start)

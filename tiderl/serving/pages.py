@@ -215,6 +215,8 @@ class Prefix:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     """Logprob of every token sampled by the engine, aligned with `tokens[action_start:]` of
     the current action only (cleared when an observation starts a new action)."""
+    versions: list[int] = dataclasses.field(default_factory=list)
+    """Weight version that produced each entry of `logprobs` (a flush can split an action)."""
     slot: int | None = None
     kv_length: int = 0
     version: int = -1
@@ -225,6 +227,10 @@ class Prefix:
     decoding: bool = False
     computed_max: int = 0
     drop_reason: str = "new"
+    prefill_computed: int = 0
+    """Tokens the last prefill computed (new + recomputed)."""
+    prefill_cached: int = 0
+    """Tokens the last prefill served from resident KV."""
 
     @property
     def action_tokens(self) -> list[int]:
