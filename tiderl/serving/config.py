@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from tiderl.configlib import ConfigError
+from tiderl.serving.ctb import CTBConfig
 
 
 def _check_buckets(name: str, buckets: tuple[int, ...]) -> None:
@@ -21,6 +22,8 @@ class RolloutConfig:
     ranks: int = 1
     devices_per_rank: int = 1
     scheduler: Literal["ctb", "vanilla"] = "ctb"
+    """Task scheduler of the `tiderl` mode (the baseline modes always use 'vanilla')."""
+    ctb: CTBConfig = dataclasses.field(default_factory=CTBConfig)
     page_size: int = 16
     num_pages: int = 256
     """KV pages per rank (the token budget is num_pages × page_size)."""
