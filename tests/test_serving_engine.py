@@ -84,7 +84,7 @@ def test_greedy_multiturn_matches_full_recompute(model):
     eng, state = _engine(model, temperature=0.0)
     rng = np.random.default_rng(0)
     h = None
-    for turn, n_obs in enumerate([11, 3, 21, 1]):  # 21 > largest bucket: chunked prefill
+    for n_obs in [11, 3, 21, 1]:  # 21 > largest bucket: chunked prefill
         obs = rng.integers(0, MODEL.vocab_size, n_obs)
         h = eng.prefill(None, h, obs, n_obs, task_id=5)
         state = eng.insert(h, state)
@@ -306,3 +306,36 @@ def test_pallas_engine_matches_reference_engine(model):
     for (t0, p0, l0), (t1, p1, l1) in zip(runs[0][1], runs[1][1], strict=True):
         assert (t0, p0) == (t1, p1)
         np.testing.assert_allclose(l1, l0, atol=1e-5, rtol=0)
+
+
+def test_prefill_many_matches_single_prefills_and_is_all_or_nothing(model):
+    graphdef, params = model
+    from tiderl.serving.engine import PrefillRequest
+
+    eng, state = _engine(model, temperature=1.0)
+    old = eng.prefill(None, None, np.arange(6), 6, task_id=20)  # resident, gets an observation
+    gone = eng.prefill(None, None, np.arange(9), 9, task_id=21)
+    eng.evict(gone)  # evicted: everything is recomputed
+    reqs = [PrefillRequest(old, [4, 4, 4], 3), PrefillRequest(gone, [5], 1),
+            PrefillRequest(None, np.arange(40) % 7, 40, task_id=22),  # chunked (16+16+8)
+            PrefillRequest(None, [1, 2], 2, task_id=23)]
+    hs = eng.prefill_many(None, reqs)
+    assert ("prefill", 4, 16) in eng.trace_counts
+    for h in hs:
+        state = eng.insert(h, state)
+    state = _decode_until_done(eng, state, hs)
+    for h in hs:
+        _check_against_full(eng, graphdef, params, h)
+    # Same tasks one at a time on a fresh engine: identical tokens.
+    eng2, _ = _engine(model, temperature=1.0)
+    a = eng2.prefill(None, None, np.arange(6), 6, task_id=20)
+    a = eng2.prefill(None, a, [4, 4, 4], 3)
+    c = eng2.prefill(None, None, np.arange(40) % 7, 40, task_id=22)
+    assert a.tokens[: len(a.tokens)] == hs[0].tokens[: len(a.tokens)]
+    assert c.tokens == hs[2].tokens[: len(c.tokens)]
+    # Capacity is checked for the whole batch before anything is allocated.
+    in_use, free_slots = eng.pages.pages_in_use, int((~eng.pages.in_use).sum())
+    with pytest.raises(PoolExhaustedError, match=r"rollout\.max_slots=8"):
+        eng.prefill_many(None, [PrefillRequest(None, [1], 1, task_id=100 + i) for i in range(5)])
+    assert eng.pages.pages_in_use == in_use and int((~eng.pages.in_use).sum()) == free_slots
+    eng.pages.check()

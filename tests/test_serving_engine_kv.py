@@ -70,3 +70,35 @@ def test_paged_matches_dense_cache_and_appends_are_bottom_right_causal():
     # The first appended token must not see the second: recompute row 0 with one token only.
     one, _ = _attend("reference", *_setup(2, b, t, start)[:3], [1, 0], q, k, v)
     np.testing.assert_allclose(one[0, 0], paged[0, 0], atol=1e-5, rtol=0)
+
+
+def test_sampling_contract():
+    """Temperature first over the full vocabulary; greedy at T=0; truncation only filters."""
+    from tiderl.serving.sampling import sample, token_keys
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((4, 50)) * 3, jnp.float32)
+    keys = token_keys(jax.random.key(0), jnp.arange(4), jnp.full(4, 7))
+    temp = jnp.asarray([0.0, 0.5, 1.0, 2.0], jnp.float32)
+    tok, lp = sample(logits, keys, temp)
+    assert int(tok[0]) == int(jnp.argmax(logits[0]))
+    scaled = logits / jnp.where(temp > 0, temp, 1.0)[:, None]
+    ref = jax.nn.log_softmax(scaled, axis=-1)[jnp.arange(4), tok]
+    np.testing.assert_allclose(lp, ref, atol=1e-6)
+    # Same key → same token whatever the row's neighbours (keys come from identities only).
+    tok1, _ = sample(logits[2:3], keys[2:3], temp[2:3])
+    assert int(tok1[0]) == int(tok[2])
+    # top_k=1 is greedy at any T; the logprob stays full-vocabulary.
+    tk, lpk = sample(logits, keys, jnp.ones(4), top_k=1)
+    np.testing.assert_array_equal(tk, jnp.argmax(logits, -1))
+    np.testing.assert_allclose(lpk, jax.nn.log_softmax(logits)[jnp.arange(4), tk], atol=1e-6)
+    # top_p keeps the smallest prefix reaching p: a tiny p is greedy too.
+    tp, _ = sample(logits, keys, jnp.ones(4), top_p=1e-6)
+    np.testing.assert_array_equal(tp, jnp.argmax(logits, -1))
+    # Many keys at T=1 sample roughly the softmax (frequency of the argmax token).
+    keys_n = token_keys(jax.random.key(1), jnp.zeros(4000, jnp.int32), jnp.arange(4000))
+    row = jnp.broadcast_to(logits[3] / 4, (4000, 50))
+    draws, _ = sample(row, keys_n, jnp.ones(4000))
+    p = jax.nn.softmax(logits[3] / 4)
+    top = int(jnp.argmax(p))
+    assert abs(float(jnp.mean(draws == top)) - float(p[top])) < 0.03

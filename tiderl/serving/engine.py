@@ -22,6 +22,8 @@ whole life; it holds the context as token ids (token in, token out) and where it
   bucket; each chunk is padded to a length bucket. `true_length == 0` continues the current
   action (resume after eviction/flush, or a forked sibling's first token). If the context cannot
   fit `max_context` the prefix comes back with `stop_reason == CONTEXT_LIMIT` and nothing ran.
+- `prefill_many(params, [PrefillRequest(...), ...])` does the same for many tasks in shared
+  device calls (rows padded to a decode bucket); all-or-nothing on pages and slots.
 - `insert(prefix, state, slot=None)` makes a prefilled task decode; a different `slot` moves its
   page table there (no KV copy).
 - `generate(params, state)` decodes one token for every decoding slot (batch padded to a decode
@@ -74,8 +76,20 @@ from tiderl.serving.sampling import sample, token_keys
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeState", "Engine", "Prefix", "ResultTokens", "StopReason", "PoolExhaustedError",
-           "StaleKVError", "make_step"]
+__all__ = ["DecodeState", "Engine", "Prefix", "PrefillRequest", "ResultTokens", "StopReason",
+           "PoolExhaustedError", "StaleKVError", "make_step"]
+
+
+@dataclasses.dataclass
+class PrefillRequest:
+    """One task's part of `prefill_many` (the arguments of `prefill`)."""
+
+    existing_prefix: Prefix | None
+    tokens: Any
+    true_length: int
+    task_id: int | None = None
+    temperature: float | None = None
+    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -214,64 +228,106 @@ class Engine:
                 task_id: int | None = None, temperature: float | None = None,
                 max_action_tokens: int | None = None) -> Prefix:
         """Appends tokens[:true_length] to the task's context, computes missing KV, samples."""
+        req = PrefillRequest(existing_prefix, tokens, true_length, task_id=task_id,
+                             temperature=temperature, max_action_tokens=max_action_tokens)
+        return self.prefill_many(params, [req])[0]
+
+    def prefill_many(self, params, requests: list[PrefillRequest]) -> list[Prefix]:
+        """`prefill` for several tasks in shared device calls (rows padded to a decode bucket).
+
+        All-or-nothing on capacity: if the pages or slots for every request do not fit,
+        PoolExhaustedError is raised before anything is allocated.
+        """
         self._check_params(params)
         st = self._state()
-        new = [int(t) for t in np.asarray(tokens).reshape(-1)[:true_length]]
-        if len(new) != true_length:
-            raise ValueError(f"true_length={true_length} exceeds len(tokens)={len(new)}")
-        h = existing_prefix
-        if h is None:
-            if task_id is None:
-                raise ValueError("prefill of a new task needs task_id= (it keys the sampling)")
-            h = Prefix(task_id=task_id, temperature=self.cfg.temperature,
-                       max_action_tokens=self.cfg.max_action_tokens)
-        if temperature is not None:
-            h.temperature = temperature
-        if max_action_tokens is not None:
-            h.max_action_tokens = max_action_tokens
-        if not new and h.done:
-            raise ValueError(f"task {h.task_id}: its action already ended ({h.stop_reason.name});"
-                             " append the next observation (true_length > 0)")
-        if not new and not h.tokens:
-            raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
-        end = len(h.tokens) + len(new)
-        if end + 1 > self.cfg.max_context:
-            h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
-            return h
-        if h.slot is not None and h.kv_length and h.version != self.version:
-            self._drop_kv(h, "version")
-        opened = h.slot is None
-        if opened:
-            h.slot = self.pages.open()
-        # Nothing missing (a forked sibling): recompute the last token to get its logits.
-        start = min(h.kv_length, end - 1)
-        try:
-            copies = self.pages.reserve(h.slot, start, end)
-        except PoolExhaustedError:
-            if opened:
-                self.pages.close(h.slot)
-                h.slot = None
-            raise
-        st.slots[h.slot] = h
-        h.tokens.extend(new)
-        if new:
-            h.action_start, h.logprobs, h.versions = end, [], []
-            h.stop_reason = StopReason.NONE
-        self._count_compute(h, start, end)
+        handles, news = [], []
+        for r in requests:  # validate everything before touching any state
+            new = [int(t) for t in np.asarray(r.tokens).reshape(-1)[: r.true_length]]
+            if len(new) != r.true_length:
+                raise ValueError(f"true_length={r.true_length} exceeds len(tokens)={len(new)}")
+            h = r.existing_prefix
+            if h is None:
+                if r.task_id is None:
+                    raise ValueError("prefill of a new task needs task_id= (it keys sampling)")
+                h = Prefix(task_id=r.task_id, temperature=self.cfg.temperature,
+                           max_action_tokens=self.cfg.max_action_tokens)
+            if not new and h.done:
+                raise ValueError(f"task {h.task_id}: its action already ended "
+                                 f"({h.stop_reason.name}); append the next observation")
+            if not new and not h.tokens:
+                raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
+            if any(h is x for x in handles):
+                raise ValueError(f"task {h.task_id} appears twice in one prefill_many")
+            handles.append(h)
+            news.append(new)
+        for r, h in zip(requests, handles, strict=True):
+            if r.temperature is not None:
+                h.temperature = r.temperature
+            if r.max_action_tokens is not None:
+                h.max_action_tokens = r.max_action_tokens
+        rows = []  # (handle, new tokens, start, end) of the tasks that will compute
+        for h, new in zip(handles, news, strict=True):
+            end = len(h.tokens) + len(new)
+            if end + 1 > self.cfg.max_context:
+                h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
+                continue
+            if h.slot is not None and h.kv_length and h.version != self.version:
+                self._drop_kv(h, "version")  # stale KV is never attended
+            # Nothing missing (a forked sibling): recompute the last token to get its logits.
+            rows.append((h, new, min(h.kv_length, end - 1), end))
+        self._check_capacity(rows)
+        copies = []
+        for h, new, start, end in rows:
+            if h.slot is None:
+                h.slot = self.pages.open()
+            copies += self.pages.reserve(h.slot, start, end)
+            st.slots[h.slot] = h
+            h.tokens.extend(new)
+            if new:
+                h.action_start, h.logprobs, h.versions = end, [], []
+                h.stop_reason = StopReason.NONE
+            self._count_compute(h, start, end)
         self._apply_copies(copies)
+        pos = {id(h): start for h, _, start, _ in rows}
+        results: dict[int, tuple] = {}
         chunk = self.cfg.prefill_buckets[-1]
-        for c0 in range(start, end, chunk):
-            n = min(chunk, end - c0)
-            t = _bucket(n, self.cfg.prefill_buckets)
-            tokens_bt = np.zeros((1, t), np.int32)
-            tokens_bt[0, :n] = h.tokens[c0:c0 + n]
-            packed, logits = self._run(self._prefill_fn, [h], tokens_bt, [c0], [n], 1)
-        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
-        h.computed_max = max(h.computed_max, end)
-        self.counters.prefill_calls += 1
-        self._take_sample(h, packed[0], None if logits is None else logits[0])
-        h.decoding = False
-        return h
+        while pending := [(h, end) for h, _, _, end in rows if pos[id(h)] < end]:
+            # Long inputs advance one chunk per round; rows finish in different rounds.
+            n = [min(chunk, end - pos[id(h)]) for h, end in pending]
+            t = _bucket(max(n), self.cfg.prefill_buckets)
+            b = _bucket(len(pending), self.cfg.decode_buckets)
+            tokens_bt = np.zeros((b, t), np.int32)
+            for i, (h, _) in enumerate(pending):
+                tokens_bt[i, : n[i]] = h.tokens[pos[id(h)]: pos[id(h)] + n[i]]
+            packed, logits = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
+                                       [pos[id(h)] for h, _ in pending], n, b)
+            for i, (h, end) in enumerate(pending):
+                pos[id(h)] += n[i]
+                if pos[id(h)] == end:
+                    results[id(h)] = (packed[i], None if logits is None else logits[i])
+        for h, _, _, end in rows:
+            h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+            h.computed_max = max(h.computed_max, end)
+            self.counters.prefill_calls += 1
+            self._take_sample(h, *results[id(h)])
+            h.decoding = False
+        return handles
+
+    def _check_capacity(self, rows) -> None:
+        slots = sum(h.slot is None for h, *_ in rows)
+        free_slots = int(np.count_nonzero(~self.pages.in_use))
+        if slots > free_slots:
+            raise PoolExhaustedError(
+                f"no free slot: {slots} new tasks but {free_slots} of rollout.max_slots="
+                f"{self.cfg.max_slots} free; raise rollout.max_slots or evict/free tasks")
+        ps = self.cfg.page_size
+        need = sum(-(-end // ps) if h.slot is None else self.pages.pages_needed(h.slot, start, end)
+                   for h, _, start, end in rows)
+        if need > self.pages.pages_free:
+            raise PoolExhaustedError(
+                f"KV page pool exhausted: prefill needs {need} pages, {self.pages.pages_free} "
+                f"free of rollout.num_pages={self.cfg.num_pages} (page_size={ps}); raise "
+                "rollout.num_pages, lower rollout.max_slots, or evict/pause tasks")
 
     def insert(self, prefix: Prefix, decode_state: DecodeState,
                slot: int | None = None) -> DecodeState:
@@ -306,13 +362,13 @@ class Engine:
                     f"but the engine is at {self.version}; call engine.flush() and prefill it "
                     "again")
         pos = [len(h.tokens) - 1 for h in active]
-        need = sum(self.pages.pages_needed(h.slot, p, p + 1) for h, p in zip(active, pos))
+        need = sum(self.pages.pages_needed(h.slot, p, p + 1) for h, p in zip(active, pos, strict=True))
         if need > self.pages.pages_free:
             raise PoolExhaustedError(
                 f"KV page pool exhausted: this decode step needs {need} pages, "
                 f"{self.pages.pages_free} free of rollout.num_pages={self.cfg.num_pages}; "
                 "raise rollout.num_pages or pause/evict tasks")
-        copies = [c for h, p in zip(active, pos) for c in self.pages.reserve(h.slot, p, p + 1)]
+        copies = [c for h, p in zip(active, pos, strict=True) for c in self.pages.reserve(h.slot, p, p + 1)]
         self._apply_copies(copies)
         b = _bucket(len(active), self.cfg.decode_buckets)
         tokens_bt = np.zeros((b, 1), np.int32)

@@ -52,7 +52,7 @@ def init_pools(*, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int,
     return KVPools(k=make(), v=make())
 
 
-def copy_pages(pools: KVPools, src_c: Int[Array, "C"], dst_c: Int[Array, "C"]) -> KVPools:
+def copy_pages(pools: KVPools, src_c: Int[Array, " C"], dst_c: Int[Array, " C"]) -> KVPools:
     """Copy-on-write: page dst ← page src in every layer (pad with trash → trash)."""
     return KVPools(k=tuple(p.at[:, dst_c].set(p[:, src_c]) for p in pools.k),
                    v=tuple(p.at[:, dst_c].set(p[:, src_c]) for p in pools.v))
@@ -65,7 +65,7 @@ def gather_pages(pool_kpsd: Array, page_table_bp: Int[Array, "B Pm"]) -> Float[A
     return g_kbpsd.reshape(k, b, pm * s, dh).transpose(1, 2, 0, 3)
 
 
-def append_mask(pos_bt: Int[Array, "B T"], kv_len_b: Int[Array, "B"],
+def append_mask(pos_bt: Int[Array, "B T"], kv_len_b: Int[Array, " B"],
                 n_keys: int) -> Bool[Array, "B T L"]:
     """Bottom-right-aligned causal mask for tokens appended at `pos_bt` to a resident context."""
     s_l = jnp.arange(n_keys)
@@ -98,8 +98,8 @@ class PagedKV:
 
     pools: KVPools
     page_table_bp: Int[Array, "B Pm"]
-    start_b: Int[Array, "B"]
-    n_new_b: Int[Array, "B"]
+    start_b: Int[Array, " B"]
+    n_new_b: Int[Array, " B"]
     impl: AttnImpl = dataclasses.field(default="reference", metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -142,8 +142,8 @@ class DenseKV:
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
-    start_b: Int[Array, "B"]
-    n_new_b: Int[Array, "B"]
+    start_b: Int[Array, " B"]
+    n_new_b: Int[Array, " B"]
 
     def attend(self, layer: int, q_bthd, k_btkd, v_btkd):
         b, t = q_bthd.shape[:2]

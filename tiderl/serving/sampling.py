@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def token_keys(run_key: Array, task_ids_b: Int[Array, "B"], positions_b: Int[Array, "B"]) -> Array:
+def token_keys(run_key: Array, task_ids_b: Int[Array, " B"], positions_b: Int[Array, " B"]) -> Array:
     """fold_in(fold_in(run_key, task_id), position): independent of batch, slot and padding."""
     return jax.vmap(lambda t, p: jax.random.fold_in(jax.random.fold_in(run_key, t), p))(
         task_ids_b, positions_b)
@@ -40,11 +40,11 @@ def _truncate(scaled_bv: Array, top_k: int, top_p: float) -> Array:
 def sample(
     logits_bv: Float[Array, "B V"],
     keys_b: Array,
-    temperature_b: Float[Array, "B"],
+    temperature_b: Float[Array, " B"],
     *,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> tuple[Int[Array, "B"], Float[Array, "B"]]:
+) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """(tokens, logprobs): temperature first, full vocabulary; greedy where T == 0."""
     logits_bv = logits_bv.astype(jnp.float32)
     greedy_b = temperature_b <= 0
