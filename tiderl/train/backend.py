@@ -295,39 +295,41 @@ class TrainerBackend:
                 self._times["wait"] += time.perf_counter() - t_idle
             if kind == "stop":
                 return
-            if self._error is not None:
-                if kind == "finish":
-                    payload.set_exception(self._error)
-                    self._error = None
-                    self._reset_step()
+            if kind == "finish":
+                self._answer(payload)
                 continue
-            try:
-                if kind == "finish":
-                    payload.set_result(self._finish())
-                    continue
-                if self._step_t0 is None:
-                    self._step_t0 = time.perf_counter()
-                group = [payload]
-                finish = None
-                while len(group) < self._group_cap():
-                    try:
-                        nxt = self._q.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt[0] != "mb":
-                        finish = nxt
-                        break
-                    group.append(nxt[1])
-                self._process(group)
-                if finish is not None:  # keep order: a finish queued behind this group
-                    if finish[0] == "stop":
-                        return
-                    finish[1].set_result(self._finish())
-            except BaseException as e:  # noqa: BLE001 - surfaced by finish_step
-                if kind == "finish":
-                    payload.set_exception(e)
-                else:
+            if self._step_t0 is None:
+                self._step_t0 = time.perf_counter()
+            group, pending = [payload], None
+            while len(group) < self._group_cap():
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt[0] != "mb":
+                    pending = nxt  # answered after this group, keeping submission order
+                    break
+                group.append(nxt[1])
+            if self._error is None:  # after a failure, drop work until finish_step reports it
+                try:
+                    self._process(group)
+                except BaseException as e:  # noqa: BLE001 - surfaced by finish_step
                     self._error = e
+            if pending is not None:
+                if pending[0] == "stop":
+                    return
+                self._answer(pending[1])
+
+    def _answer(self, fut: concurrent.futures.Future) -> None:
+        try:
+            if self._error is not None:
+                raise self._error
+            fut.set_result(self._finish())
+        except BaseException as e:  # noqa: BLE001 - the caller of finish_step gets it
+            self._error = None
+            self._grads = None
+            self._reset_step()
+            fut.set_exception(e)
 
     def _group_cap(self) -> int:
         if self.mode == "colocated" and self.cfg.aggregate:

@@ -168,7 +168,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
     def apply_fn(state, grads_sum, denom):
         count("apply")
         grads = jax.tree.map(lambda g: g / denom, grads_sum)
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": opt, "step": state["step"] + 1}, {"grad_norm": gnorm}
