@@ -7,8 +7,8 @@ For each batch size every contender decodes with `--context` tokens resident:
   paged       the engine's jitted paged decode step alone (same inputs every step)
   dense       the same model and sampler over a dense per-slot cache [B, L, K, Dh]
   nocache     full forward over the whole context every step (no KV cache)
-  hf          transformers `generate` with its KV cache (torch CPU, greedy; the faster of its
-              sdpa and eager attention at each batch size)
+  hf          transformers `generate` with its KV cache (torch CPU, greedy; credited with its
+              best of sdpa/eager attention and 1/all threads at each batch size)
 Medians over repeats; the last stdout line is one JSON object with the headline figures.
 
     python benchmarks/engine.py [--batches 1 8 32] [--context 512] [--steps 16] [--repeats 3]
@@ -21,10 +21,12 @@ import functools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -182,19 +184,23 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
         stamps.append(time.perf_counter())
         return scores
 
-    # HF is credited with its faster attention implementation at each batch size: on CPU
-    # sdpa is sometimes much slower than eager (seen: ~0.47 s/step at B=16), sometimes faster.
-    for impl, model in hf.items():
-        step_times = []
-        for _ in range(args.repeats + 1):  # the first run warms torch up
-            stamps.clear()
-            with torch.no_grad():
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
-                                     min_new_tokens=steps, do_sample=False, pad_token_id=0,
-                                     logits_processor=transformers.LogitsProcessorList([stamp]))
-            step_times.append(list(np.diff(stamps)))
-        res[f"hf_{impl}_step"] = statistics.median(t for run in step_times[1:] for t in run)
-    res["hf_step"] = min(res["hf_sdpa_step"], res["hf_eager_step"])
+    # HF is credited with its best variant at each batch size: sdpa or eager attention (on CPU
+    # sdpa is sometimes much slower, e.g. ~0.47 s/step at B=16), and 1 or all torch threads
+    # (OpenMP barriers stall when other processes take the cores, as on a shared box).
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        for impl, model in hf.items():
+            step_times = []
+            for _ in range(args.repeats + 1):  # the first run warms torch up
+                stamps.clear()
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
+                                         min_new_tokens=steps, do_sample=False, pad_token_id=0,
+                                         logits_processor=transformers.LogitsProcessorList([stamp]))
+                step_times.append(list(np.diff(stamps)))
+            res[f"hf_{impl}_t{threads}_step"] = statistics.median(
+                t for run in step_times[1:] for t in run)
+    res["hf_step"] = min(v for k, v in res.items() if k.startswith("hf_") and k != "hf_step")
     hf_tokens = out[:, ctx:].tolist()
     n = min(8, steps)
     agree = np.mean([e[:n] == h[:n] for e, h in zip(engine_tokens, hf_tokens, strict=True)])
@@ -209,13 +215,12 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
     hf, cfg, graphdef, params = build_models()
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, cfg.vocab_size, (max(args.batches), args.context)).astype(np.int32)
     print(f"tiny Qwen2 {QWEN2_TINY}; context {args.context}, {args.steps} decode steps, "
           f"{args.repeats} repeats; jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+          f"torch {torch.__version__}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     hdr = (f"{'batch':>5} {'engine tok/s':>13} {'paged tok/s':>12} {'dense tok/s':>12} "
            f"{'nocache tok/s':>14} {'hf tok/s':>10} {'eng/hf':>7} {'eng/nocache':>12} "
            f"{'paged/dense step':>17} {'greedy=hf':>9}")
@@ -231,6 +236,7 @@ def main():
               f"{tps['engine'] / tps['nocache']:>12.1f} "
               f"{r['paged_step'] / r['dense_step']:>17.2f} {r['greedy_agree_first8']:>9.2f}",
               flush=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (other processes skew CPU timings)")
     big = max(args.batches)
     r = rows[big]
     print(json.dumps({
