@@ -166,12 +166,19 @@ def test_learning_raises_positive_lowers_negative(policy, meshes):
     be.close()
 
 
-def test_advise_mode_uses_measured_phase_costs(policy, meshes):
+def test_advise_mode_and_switch_modes(policy, meshes):
     actor, ref = meshes
     be = TrainerBackend(CFG, TINY, actor_mesh=actor, ref_mesh=ref, policy=policy)
     be._cost_ema = {"ref": 1.0, "actor_fwd": 1.0, "actor_bwd": 2.0, "swap": 1.0}
     assert be.advise_mode([0.0] * 8).mode == "decoupled"
     assert be.advise_mode([20.0, 60.0, 100.0]).mode == "colocated"
+    be.set_ref_mesh(None)  # follow the advice between steps: the Ref joins the Actor's devices
+    assert be.mode == "colocated"
+    assert {d for x in jax.tree.leaves(be.ref_params) for d in x.sharding.device_set} == \
+        set(actor.devices.flat)
+    assert be.train_step(_mbs(seed=6))["mode"] == "colocated"
+    be.set_ref_mesh(ref)
+    assert be.train_step(_mbs(seed=6))["mode"] == "decoupled"
     be.close()
 
 

@@ -92,29 +92,17 @@ class TrainerBackend:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.temperature = temperature
         self.actor_mesh = actor_mesh
-        self.ref_mesh = ref_mesh if ref_mesh is not None else actor_mesh
-        self.mode: Literal["decoupled", "colocated"] = (
-            "colocated" if self.ref_mesh is actor_mesh else "decoupled")
-        if cfg.mode != "auto" and cfg.mode != self.mode:
+        if cfg.mode == "colocated" and ref_mesh is not None or cfg.mode == "decoupled" and (
+                ref_mesh is None or ref_mesh == actor_mesh):
             raise ValueError(f"trainer.mode={cfg.mode!r} but the backend was given "
-                             f"{'no ' if self.mode == 'colocated' else 'a '}separate Ref mesh; "
-                             "pass ref_mesh for decoupled or drop it for colocated")
+                             f"{'a separate' if ref_mesh is not None else 'no'} Ref mesh; pass "
+                             "ref_mesh for decoupled or drop it for colocated")
         self.spec = LossSpec.from_config(cfg)
         if policy is None:
             policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
         self.graphdef, params = policy
-        abstract = jax.eval_shape(lambda: params)
-        key = (self.graphdef, self.spec, _opt_key(cfg), temperature, actor_mesh, self.ref_mesh)
-        if key not in _KERNELS:
-            # One compiled set per (model, loss, optimizer, meshes): backends built for other
-            # modes of the same job (VS/VSO/CM, tests) share the compilation.
-            tx = make_optimizer(cfg)
-            sh = train_shardings(abstract, tx, actor_mesh)
-            ref_sh = state_shardings(abstract, self.ref_mesh)
-            _KERNELS[key] = (tx, sh, ref_sh, make_kernels(
-                self.graphdef, tx, self.spec, temperature, sh, ref_mesh=self.ref_mesh,
-                ref_param_shardings=ref_sh))
-        self.tx, self.sh, self.ref_param_sh, self.k = _KERNELS[key]
+        self._abstract = jax.eval_shape(lambda: params)
+        self._bind(ref_mesh)
         self.ref_params = jax.device_put(_copy(params if ref_params is None else ref_params),
                                          self.ref_param_sh)
         self.state = init_train_state(jax.device_put(_copy(params), self.sh.params), self.tx,
@@ -128,6 +116,35 @@ class TrainerBackend:
         self._error: BaseException | None = None
         self._cost_ema: dict[str, float] = {}
         self._last_role: Role | None = None
+
+    def _bind(self, ref_mesh: Mesh | None) -> None:
+        self.ref_mesh = actor_mesh = self.actor_mesh
+        if ref_mesh is not None and ref_mesh != actor_mesh:
+            self.ref_mesh = ref_mesh
+        self.mode: Literal["decoupled", "colocated"] = (
+            "colocated" if self.ref_mesh is actor_mesh else "decoupled")
+        key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
+               self.ref_mesh)
+        if key not in _KERNELS:
+            # One compiled set per (model, loss, optimizer, meshes): backends built for other
+            # modes of the same job (VS/VSO/CM, tests) share the compilation.
+            tx = make_optimizer(self.cfg)
+            sh = train_shardings(self._abstract, tx, actor_mesh)
+            ref_sh = state_shardings(self._abstract, self.ref_mesh)
+            _KERNELS[key] = (tx, sh, ref_sh, make_kernels(
+                self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
+                ref_param_shardings=ref_sh))
+        self.tx, self.sh, self.ref_param_sh, self.k = _KERNELS[key]
+
+    def set_ref_mesh(self, ref_mesh: Mesh | None) -> None:
+        """Switches RA2P mode between steps: a Ref mesh of its own (decoupled) or None
+        (colocated on the Actor's devices). The Ref params move with `jax.device_put`."""
+        if self._n_mbs or self._grads is not None:
+            raise RuntimeError("set_ref_mesh() inside a step; call it after finish_step()")
+        self.swap("ref", "device")
+        self._bind(ref_mesh)
+        self.ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
+        self._last_role = None
 
     # ------------------------------------------------------------------ contract, per call
     def put(self, mb: MicroBatch, role: Role) -> dict:
@@ -207,8 +224,12 @@ class TrainerBackend:
     # ------------------------------------------------------------------ step-level executor
     def submit(self, mb: MicroBatch) -> None:
         """Queues a ready micro-batch; never blocks (device work runs on the worker thread)."""
+        self.submit_ready([mb])
+
+    def submit_ready(self, mbs: Sequence[MicroBatch]) -> None:
+        """Queues micro-batches that became ready together (one aggregation group if colocated)."""
         self._start_worker()
-        self._q.put(("mb", mb, time.perf_counter()))
+        self._q.put(("mb", list(mbs), time.perf_counter()))
 
     def finish_step(self) -> dict:
         """Blocks until every submitted micro-batch is trained and the update applied."""
@@ -232,25 +253,34 @@ class TrainerBackend:
 
     def train_step(self, mbs: Sequence[MicroBatch]) -> dict:
         """One step over micro-batches already ready (synchronous convenience)."""
-        for mb in mbs:
-            self.submit(mb)
+        self.submit_ready(mbs)
         return self.finish_step()
 
     def fused_step(self, mbs: Sequence[MicroBatch]) -> dict:
-        """The reference step: Ref forwards, one `jax.grad` of the fused loss, the same apply."""
-        self._ensure("ref")
-        refs = [self.k.ref_forward(self.ref_params, self.put(mb, "ref")) for mb in mbs]
-        self._ensure("actor")
-        batches = [self.put(mb, "actor") for mb in mbs]
-        refs = [jax.device_put(r, self.sh.tokens) for r in refs]
-        self._grads = self.k.fused_grads(self.state["params"], batches, refs,
-                                         jnp.int32(self.version))
+        """The plain reference step: per micro-batch, Ref forward then `jax.grad` of the fused
+        loss (accumulated); then the same apply. Runs on the calling thread."""
+        t0 = time.perf_counter()
+        metrics = []
         for mb in mbs:
+            self._ensure("ref")
+            ref = self.k.ref_forward(self.ref_params, self.put(mb, "ref"))
+            self._ensure("actor")
+            if self._grads is None:
+                self._grads = self.k.zeros_like_grads(self.state["params"])
+            self._grads, m = self.k.fused_accumulate(
+                self.state["params"], self.put(mb, "actor"), jax.device_put(ref, self.sh.tokens),
+                jnp.int32(self.version), self._grads)
+            metrics.append(m)
             self._n_tokens += mb.n_action_tokens
             self._n_seqs += seqs_with_actions(mb)
         out = self.apply()
+        jax.block_until_ready(self.state)
+        sums = jax.device_get(jax.tree.map(lambda *x: sum(x), *metrics))
+        swaps = self._swaps
         self._reset_step()
-        return {k: float(v) for k, v in out.items()}
+        return {"loss": float(sums["loss_sum"]) / out["denom"],
+                "grad_norm": float(out["grad_norm"]), "version": self.version, "swaps": swaps,
+                "step_time": time.perf_counter() - t0}
 
     def advise_mode(self, ready_times: Sequence[float], m_actor: int = 1) -> ra2p.ModeChoice:
         """RA2P choice from the measured per-micro-batch phase times (EMA) and ready times."""
@@ -300,7 +330,7 @@ class TrainerBackend:
                 continue
             if self._step_t0 is None:
                 self._step_t0 = time.perf_counter()
-            group, pending = [payload], None
+            group, pending = list(payload), None
             while len(group) < self._group_cap():
                 try:
                     nxt = self._q.get_nowait()
@@ -309,10 +339,12 @@ class TrainerBackend:
                 if nxt[0] != "mb":
                     pending = nxt  # answered after this group, keeping submission order
                     break
-                group.append(nxt[1])
+                group.extend(nxt[1])
             if self._error is None:  # after a failure, drop work until finish_step reports it
                 try:
-                    self._process(group)
+                    cap = self._group_cap()
+                    for i in range(0, len(group), cap):
+                        self._process(group[i:i + cap])
                 except BaseException as e:  # noqa: BLE001 - surfaced by finish_step
                     self._error = e
             if pending is not None:

@@ -10,7 +10,7 @@ optimizer, shardings) and returning module-level-style jitted pure functions of 
   cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum.
   `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
 - `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
-  clips by global norm, AdamW with a schedule; train state and gradient sum donated.
+  clips by global norm, AdamW with a schedule; the train state is donated.
 
 The train state is `{"params", "opt", "step"}`; its shardings (optimizer moments included) are
 computed once from the abstract state and pinned as in/out shardings.
@@ -115,6 +115,7 @@ class Kernels:
     apply: Any
     zeros_like_grads: Any
     fused_grads: Any
+    fused_accumulate: Any
     traces: dict[str, int]
 
 
@@ -157,7 +158,8 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         (g,) = vjp(cot)
         return jax.tree.map(jnp.add, acc, g), metrics
 
-    backward = jax.jit(bwd, donate_argnums=(0, 5), out_shardings=(sh.params, None))
+    # Only the gradient sum is donated: the vjp residuals have no output of their shape to alias.
+    backward = jax.jit(bwd, donate_argnums=(5,), out_shardings=(sh.params, None))
 
     def bare_bwd(vjp, cot):
         count("actor_backward")
@@ -174,7 +176,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         return {"params": params, "opt": opt, "step": state["step"] + 1}, {"grad_norm": gnorm}
 
     apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
-                    out_shardings=(sh.state, None), donate_argnums=(0, 1))
+                    out_shardings=(sh.state, None), donate_argnums=(0,))
 
     zeros_like_grads = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
                                in_shardings=(sh.params,), out_shardings=sh.params)
@@ -192,5 +194,14 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         return jax.grad(total)(params)
 
     fused_grads = jax.jit(fused, out_shardings=sh.params)
+
+    def fused_acc(params, batch, ref, version, acc):
+        """The plain streaming step per micro-batch: `jax.grad` of the fused loss, accumulated."""
+        count("fused_accumulate")
+        g, metrics = jax.grad(lambda p: loss_sum(logprobs(p, batch), ref, batch, version, spec),
+                              has_aux=True)(params)
+        return jax.tree.map(jnp.add, acc, g), metrics
+
+    fused_accumulate = jax.jit(fused_acc, donate_argnums=(4,), out_shardings=(sh.params, None))
     return Kernels(ref_forward, policy_lp, actor_forward, backward, actor_backward, apply,
-                   zeros_like_grads, fused_grads, traces)
+                   zeros_like_grads, fused_grads, fused_accumulate, traces)
