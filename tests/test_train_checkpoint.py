@@ -133,6 +133,8 @@ def test_resume_mismatch_is_a_config_error(tmp_path):
     be = _backend()
     ck = Checkpointer(tmp_path / "ck")
     assert ck.restore(be) is None  # empty directory: fresh start
+    assert ck.save_if_due(be, 5) is None  # step 0 is never due
+    key0 = jax.random.key_data(be.step_key())
     ck.save(be, data_state={"cursor": 0}, wait=True)
     policy = (be.graphdef, be.state["params"])
     other_model = dataclasses.replace(TINY, rope_theta=500000.0)
@@ -143,6 +145,8 @@ def test_resume_mismatch_is_a_config_error(tmp_path):
                           actor_mesh=be.actor_mesh, policy=policy)
     with pytest.raises(ConfigError, match="different train state"):
         ck.restore(be_o)
+    ck.restore(be)
+    np.testing.assert_array_equal(jax.random.key_data(be.step_key()), key0)
     with pytest.raises(TypeError, match="JSON"):
         ck.save(be, data_state={"bad": object()})
     ck.close()

@@ -210,6 +210,11 @@ class TrainerBackend:
         self._swaps += 1
         return dt
 
+    def step_key(self) -> jax.Array:
+        """This step's training key, `fold_in(run_key, step)` (checkpointed with the state)."""
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng_key),
+                                  int(jax.device_get(self.state["step"])))
+
     def logprobs(self, mb: MicroBatch) -> np.ndarray:
         """The current policy's per-token logprobs of `mb` on the host (evals, on-policy tests)."""
         self._ensure("actor")
@@ -387,15 +392,17 @@ class TrainerBackend:
             return
         # Colocated: Ref over the whole ready group, then Actor over it. The phases share the
         # devices, so blocking at phase ends costs nothing and gives exact phase times.
-        refs = []
-        for mb in group:
-            refs.append(self._timed("ref", self.ref_forward, self.put(mb, "actor"), block=False))
-        jax.block_until_ready(refs)
-        for mb, ref in zip(group, refs, strict=True):
-            b = self.put(mb, "actor")
+        batches = [self.put(mb, "actor") for mb in group]  # one transfer serves both models
+        self._ensure("ref")
+        t0 = time.perf_counter()
+        refs = jax.block_until_ready([self.ref_forward(b) for b in batches])
+        self._times["ref"] += time.perf_counter() - t0
+        for mb, b, ref in zip(group, batches, refs, strict=True):
             lp, vjp = self._timed("actor_fwd", self.actor_forward, b, block=sync)
             self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b, mb, block=sync)
+        t0 = time.perf_counter()
         jax.block_until_ready(self._grads)
+        self._times["actor_bwd"] += time.perf_counter() - t0
 
     def _finish(self) -> dict:
         if self._n_mbs == 0:

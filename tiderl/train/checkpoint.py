@@ -45,6 +45,18 @@ class Checkpointer:
         self.mgr = ocp.CheckpointManager(self.directory, options=opts,
                                          item_names=("state", "meta"))
 
+    @classmethod
+    def from_config(cls, run_dir: str | Path, cfg) -> Checkpointer:
+        """`<run_dir>/checkpoints`, keeping `trainer.keep_checkpoints`."""
+        return cls(Path(run_dir) / "checkpoints", keep=cfg.keep_checkpoints)
+
+    def save_if_due(self, backend, every: int, *, data_state: Any = None) -> int | None:
+        """Saves when the backend's step is a multiple of `every` (trainer.checkpoint_every)."""
+        step = int(jax.device_get(backend.state["step"]))
+        if every <= 0 or step == 0 or step % every:
+            return None
+        return self.save(backend, data_state=data_state)
+
     def _tree(self, backend) -> dict:
         # Offloaded models come back to device memory first (the shardings saved are those).
         backend.swap("actor", "device")
