@@ -42,7 +42,7 @@ def _mbs(n=24, seed=0):
 
 def _max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False))
 
 
 CFG = TrainerConfig(actor_devices=4, kl_coef=0.1, dual_clip=3.0)
@@ -126,7 +126,11 @@ def test_async_submit_and_compile_once(policy, meshes):
     m1, ticks = asyncio.run(run())
     assert ticks > 1 and m1["version"] == 1  # the loop kept running while the step trained
     traces = dict(be.k.traces)
+    exported = be.export_weights()  # for the rollout sync: must outlive the donated state
+    before = np.asarray(exported["embed_vd"][...])
     m2 = be.train_step(mbs)
+    np.testing.assert_array_equal(np.asarray(exported["embed_vd"][...]), before)
+    assert not np.array_equal(np.asarray(be.state["params"]["embed_vd"][...]), before)
     assert be.k.traces == traces  # same shape buckets: nothing retraced
     assert m2["version"] == 2 and set(m2) >= {"time_wait", "time_ref", "time_actor_fwd",
                                               "time_actor_bwd", "time_swap", "step_time"}

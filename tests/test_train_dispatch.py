@@ -35,7 +35,7 @@ def test_every_sequence_once_budgets_and_balance(lengths, n_ranks, rows, balance
                                    balance=balance)
     assert rest == []
     assert sorted(_flat(plan)) == list(range(len(lengths)))  # exactly once
-    for mb, loads in zip(plan.mbs, plan.loads(lengths)):
+    for mb, loads in zip(plan.mbs, plan.loads(lengths), strict=False):
         assert len(mb) == n_ranks
         assert max(loads) <= budget  # token budget per rank
         longest = max(lengths[i] for rank in mb for i in rank)

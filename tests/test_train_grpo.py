@@ -15,7 +15,7 @@ from tiderl.train.advantages import group_advantages
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.config import TrainerConfig
 from tiderl.train.dispatch import microbatches
-from tiderl.train.grpo import LossSpec, cotangent, kl_estimate, loss_sum, token_logprobs
+from tiderl.train.grpo import LossSpec, cotangent, kl_estimate, token_logprobs
 from tiderl.train.synthetic import synthetic_trajectories
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -24,7 +24,7 @@ REL_TOL = 1e-6  # acceptance: fp32 gradients, relative L2 error of the whole gra
 
 
 def rel_err(a, b) -> float:
-    num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=False))
     den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
     return (num / den) ** 0.5
 
@@ -137,7 +137,7 @@ def test_accumulated_microbatches_equal_full_batch_gradient(policy):
     assert len(mbs) >= 3
     batches = [be.put(mb, "actor") for mb in mbs]
     refs = []
-    for mb, b in zip(mbs, batches):
+    for mb, b in zip(mbs, batches, strict=False):
         ref = be.ref_forward(b)
         refs.append(ref)
         lp, vjp = be.actor_forward(b)

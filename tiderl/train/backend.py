@@ -79,7 +79,7 @@ def _memory(tree: Any, kind: str) -> Any:
 def seqs_with_actions(mb: MicroBatch) -> int:
     """Sequences of `mb` with at least one action token (the seq_mean divisor)."""
     rows, cols = np.nonzero(mb.loss_mask_bt > 0)
-    return len(set(zip(rows.tolist(), mb.segment_ids_bt[rows, cols].tolist())))
+    return len(set(zip(rows.tolist(), mb.segment_ids_bt[rows, cols].tolist(), strict=False)))
 
 
 class TrainerBackend:

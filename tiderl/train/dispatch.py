@@ -248,7 +248,7 @@ def pack_microbatch(trajs: Sequence[Trajectory], ranks: Sequence[Sequence[int]],
     adv = np.zeros(shape, np.float32)
     ver = np.zeros(shape, np.int32)
     uids = []
-    for r, (rank, rows) in enumerate(zip(ranks, per_rank)):
+    for r, (rank, rows) in enumerate(zip(ranks, per_rank, strict=False)):
         for k, row in enumerate(rows):
             b, t0 = r * r_rows + k, 0
             for seg, j in enumerate(row, start=1):
