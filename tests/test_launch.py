@@ -20,7 +20,7 @@ def test_help_documents_flags():
 
 
 def test_preset_prints_plan_and_policy():
-    r = run("--config", "configs/tiny-8dev.yaml", "model.n_layers=1")
+    r = run("--plan", "--config", "configs/tiny-8dev.yaml", "model.n_layers=1")
     assert r.returncode == 0, r.stderr
     assert "rollout rank 1: [1]" in r.stdout and "actor: [2, 3, 4, 5]" in r.stdout
     assert "ref:   [6, 7]" in r.stdout and "parameters" in r.stdout

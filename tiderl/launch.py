@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
+from tiderl.control.controller import NonFiniteStop
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -33,6 +35,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="YAML preset (e.g. configs/tiny-8dev.yaml); defaults are built in")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="build the device plan and the policy, print them, and exit")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest checkpoint (its saved "
+                        "config.yaml is the base; overrides still apply)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides applied after the preset")
     return p.parse_args(argv)
@@ -80,19 +87,70 @@ def describe_policy(cfg: RunConfig, params) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        preset = args.config
+        if args.resume:
+            preset = str(Path(args.resume) / "config.yaml")
+            if not Path(preset).is_file():
+                raise ConfigError(f"--resume {args.resume}: no config.yaml there; pass the run "
+                                  "folder a previous tiderl.launch wrote")
+        overrides = list(args.overrides)
+        if args.resume:
+            overrides.append(f"run_dir={args.resume}")
+        cfg = load_config(preset, overrides)
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
-        devices, plan, _meshes, _graphdef, params = build(cfg)
+        if args.plan:
+            devices, plan, _meshes, _graphdef, params = build(cfg)
+            print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")
+            print(plan.describe())
+            print(describe_policy(cfg, params))
+            return 0
+        import asyncio
+
+        from tiderl.job import run_job
+
+        summary = asyncio.run(run_job(cfg, resume=bool(args.resume)))
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")
-    print(plan.describe())
-    print(describe_policy(cfg, params))
-    print("tiderl: the RL loop (controller) is not attached in this build; nothing was trained.")
+    except NonFiniteStop as e:
+        print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("tiderl.launch: interrupted", file=sys.stderr)
+        return 130
+    print_report(cfg, summary)
     return 0
+
+
+def print_report(cfg: RunConfig, s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"tiderl run {cfg.run_dir} ({cfg.controller.mode})")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("steps", s.get("steps")), ("wall time (s)", s.get("wall_s")),
+        ("goodput (consumed action tok/s)", s.get("goodput")),
+        ("generation throughput (tok/s)", s.get("gen_throughput")),
+        ("KV hit rate", s.get("kv_hit_rate")), ("RWT total (s)", s.get("rwt_s")),
+        ("TWT total (s)", s.get("twt_s")), ("train reward first → last",
+                                             f"{s.get('reward_first', 0):.3f} → "
+                                             f"{s.get('reward_last', 0):.3f}"),
+        ("eval success first → last (best)",
+         f"{s.get('eval_success_first', float('nan')):.3f} → "
+         f"{s.get('eval_success_last', float('nan')):.3f} "
+         f"({s.get('eval_success_best', float('nan')):.3f})"),
+        ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
+        ("non-finite updates skipped", s.get("nonfinite_skipped")),
+    ]
+    for k, v in rows:
+        t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    Console().print(t)
+    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
+          f"python -m tiderl.report {cfg.run_dir})")
 
 
 if __name__ == "__main__":

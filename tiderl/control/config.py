@@ -1,4 +1,4 @@
-"""Controller config: run mode, steps, batch, evaluation, checkpoints (JAX-free)."""
+"""Controller config: run mode, steps, batch, staleness, evaluation, checkpoints (JAX-free)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,50 @@ from tiderl.configlib import ConfigError
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
-    """The RL loop: which baseline mode, how long, how big a step."""
+    """The RL loop: which baseline mode, how long, how big a step, and what to report."""
 
     mode: Literal["tiderl", "sync", "async", "stream"] = "tiderl"
-    steps: int = 50
-    group_size: int = 8
+    """tiderl: CTB + streaming RA2P. sync: global barrier, rollout and training alternate.
+    async: request-level rollout, trainer waits for the global batch (colocated, aggregated).
+    stream: request-level rollout, micro-batches streamed, Ref/Actor alternate per micro-batch."""
+    steps: int = 60
     groups_per_step: int = 8
+    """B_ideal, in groups: a step trains on this many complete groups."""
+    min_groups_per_step: int = 0
+    """B_min, in groups (elastic batch): 0 means B_ideal (no early steps)."""
+    groups_per_microbatch: int = 2
+    """A micro-batch is formed as soon as this many groups are ready (streaming modes)."""
+    max_staleness: int = 1
+    """Tokens generated more than this many versions before the update are dropped (counted)."""
+    max_turns: int = 4
+    eval_every: int = 10
+    """Evaluate on held-out tasks every K steps (0: never); eval runs during the next step."""
+    eval_groups: int = 8
+    checkpoint_every: int = 20
+    keep_checkpoints: int = 2
+    max_nonfinite_steps: int = 3
+    """Consecutive non-finite updates (skipped) after which the run stops with a checkpoint."""
+    min_ok_per_group: int = 2
+    """A group trains on its tasks that ended with a verdict when at least this many did
+    (others failed in the env); otherwise the whole group is dropped and counted."""
+    console: bool = True
+    prometheus_port: int = -1
+    """Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, -1: off)."""
+    time_limit_s: float = 0.0
+    """Stop after this much wall time (0: no limit); the run still evaluates and reports."""
+    system_prompt: str = ""
 
     def __post_init__(self):
-        for name in ("steps", "group_size", "groups_per_step"):
+        for name in ("steps", "groups_per_step", "groups_per_microbatch",
+                     "max_turns", "eval_groups", "max_nonfinite_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'controller.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
+        for name in ("max_staleness", "eval_every", "checkpoint_every", "min_groups_per_step"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config key 'controller.{name}' must be >= 0")
+        if self.min_groups_per_step > self.groups_per_step:
+            raise ConfigError("config key 'controller.min_groups_per_step' must not exceed "
+                              "controller.groups_per_step (B_min ≤ B_ideal)")
+        if self.min_ok_per_group < 1:
+            raise ConfigError("config key 'controller.min_ok_per_group' must be >= 1")

@@ -42,6 +42,13 @@ class GuessNumber(Adapter):
         super().__init__(options)
         self.n = int_option(self.options, "n", 8, lo=2, hi=9, where="suite option")
         self.guesses = int_option(self.options, "guesses", 3, lo=1, hi=64, where="suite option")
+        # Reward shaping for policies trained from scratch: a failed episode earns
+        # format_bonus × (valid guesses / guesses), so a byte-level policy first learns to answer
+        # with a digit. Success stays exactly 1.0 and is what evaluation counts.
+        self.format_bonus = float(self.options.get("format_bonus", "0"))
+        if not 0.0 <= self.format_bonus < 1.0:
+            raise ValueError(f"suite option format_bonus={self.format_bonus} must be in [0, 1)")
+        self.valid = 0
         self.target = 0
         self.used = 0
         self.success = False
@@ -62,6 +69,7 @@ class GuessNumber(Adapter):
         seed = int_option(task, "seed", 0, lo=0, hi=(1 << 63) - 1)
         self.target = int_option(task, "target", target_of(seed, self.n), lo=1, hi=self.n)
         self.used = 0
+        self.valid = 0
         self.success = False
         self.history = []
         return FIRST.format(n=self.n)
@@ -71,16 +79,21 @@ class GuessNumber(Adapter):
             raise RuntimeError("step after the episode ended (a bug in the caller or server)")
         self.used += 1
         guess = parse_guess(action, self.n)
+        self.valid += guess is not None
         self.history.append(action[:16])
         if guess == self.target:
             self.success = True
             return Step(CORRECT, True, 1.0)
         if self.used >= self.guesses:
-            return Step(LOST, True, 0.0)
+            return Step(LOST, True, self._shaped())
         if guess is None:
             return Step(INVALID, False, 0.0)
         return Step(HIGHER if self.target > guess else LOWER, False, 0.0)
 
     def close(self) -> tuple[float, dict[str, Any]]:
-        return (1.0 if self.success else 0.0,
-                {"success": self.success, "target": self.target, "guesses_used": self.used})
+        return (1.0 if self.success else self._shaped(),
+                {"success": self.success, "target": self.target, "guesses_used": self.used,
+                 "valid_guesses": self.valid})
+
+    def _shaped(self) -> float:
+        return self.format_bonus * self.valid / self.guesses

@@ -1,0 +1,376 @@
+"""The controller: one asyncio loop from task stream to weight sync. No JAX.
+
+    task stream → scheduler (CTB / vanilla) → rollout ranks → env sessions → finished groups →
+    advantages → ReadinessBuffer → trainer backend → version + 1 → scaling plan → weight sync
+
+It sees the rollout side through `RolloutManager` and the trainer through the backend contract
+(`submit(mb)`, `finish_step_async()`, `export_weights()`, `version`); device work and weight
+movement come in as callables from the JAX side (`tiderl.job`). Every baseline is a mode of
+this one loop:
+
+- `tiderl`: CTB rollout runs ahead within the staleness bound; micro-batches are submitted as
+  groups become ready (RA2P executes them, aggregated when colocated).
+- `stream`: the same streaming, request-level rollout, Ref/Actor alternate per micro-batch.
+- `async`: request-level rollout runs ahead; the trainer waits for the whole global batch.
+- `sync`: a global barrier: roll out one step's groups, then train on them, never overlapping.
+
+Evaluation every K steps: eval groups start right after the sync of step i's weights, at top
+priority, and the next sync waits for them, so they run entirely on step i's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from tiderl.control.buffer import Readiness, ReadinessBuffer, ReadyGroup
+from tiderl.control.config import ControllerConfig
+from tiderl.control.ers import KeepSplit, Planner, Roles
+from tiderl.control.metrics import MetricsSink
+from tiderl.envs.tasks import TaskStream
+from tiderl.serving.rollout import RolloutManager, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class TrainerPort(Protocol):
+    """What the controller needs of the trainer backend."""
+
+    version: int
+
+    def submit(self, mb: Any) -> None: ...
+
+    async def finish_step_async(self) -> dict: ...
+
+    def export_weights(self) -> Any: ...
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive non-finite updates; the run stopped with a checkpoint."""
+
+
+@dataclasses.dataclass
+class Hooks:
+    """JAX-side work the controller triggers (provided by `tiderl.job`, or fakes in tests)."""
+
+    sync_weights: Callable[[Any, int], Awaitable[None]]
+    """Moves exported weights (version v) to every rollout rank; stale KV is flushed there."""
+    make_microbatches: Callable[[list[Any], bool], list[Any]]
+    """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
+    checkpoint: Callable[[int, dict], None] | None = None
+    """Saves the trainer state at a step with the task-stream state."""
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
+                 hooks: Hooks, train_stream: TaskStream,
+                 eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
+                 planner: Planner | None = None, roles: Roles | None = None,
+                 start_step: int = 0, pending: Sequence[int] = (), group_size: int = 8):
+        self.cfg = cfg
+        self.manager = manager
+        self.trainer = trainer
+        self.hooks = hooks
+        self.stream = train_stream
+        self.eval_groups = list(eval_groups)
+        self.metrics = metrics
+        self.buffer = buffer
+        self.planner = planner or KeepSplit()
+        self.roles = roles or Roles(len(manager.ranks), 1, 0)
+        self.group_size = group_size
+        self.step = start_step
+        self.version = trainer.version
+        self._regen = list(pending)
+        self.index_of: dict[str, int] = {}
+        self.in_flight: set[str] = set()
+        self.started_groups = 0
+        self.consumed_tokens = 0
+        self.generated_tokens = 0
+        self.rwt = 0.0
+        self.nonfinite = 0
+        self.nonfinite_total = 0
+        self._changed = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._eval_task: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._producer: asyncio.Task[None] | None = None
+        self._step_time = 0.0
+        self._t0 = 0.0
+        self._stop = False
+
+    # -- clock ------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # -- rollout side ----------------------------------------------------------------------------
+    def _next_group(self) -> dict | None:
+        """Regenerated groups first (resume), then the stream; each remembers its position."""
+        if self._regen:
+            k = self._regen.pop(0)
+            s = self.stream
+            g = s.source.element(s.shard_index + k * s.shard_count)
+        else:
+            k = self.stream.next_index
+            try:
+                g = next(self.stream)
+            except StopIteration:
+                return None
+        self.index_of[g["group_id"]] = k
+        return g
+
+    def _start_group(self, group: dict) -> None:
+        gid = group["group_id"]
+        self.in_flight.add(gid)
+        self.started_groups += 1
+        t = asyncio.create_task(self._run_group(group), name=f"group:{gid}")
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    async def _run_group(self, group: dict) -> None:
+        trajs = await self.manager.run_group(group)
+        self.in_flight.discard(group["group_id"])
+        self.generated_tokens += sum(t.action_token_count for t in trajs)
+        self.buffer.add_group(trajs, now=self.now())
+        self._ready.set()
+        self._changed.set()
+
+    def _throttled(self) -> bool:
+        """Staleness throttle: groups started but not yet consumed (in flight or ready) may not
+        exceed what the trainer can take within the staleness bound. Dropped groups (failed,
+        zero variance, stale) free their place."""
+        outstanding = len(self.in_flight) + len(self.buffer)
+        return outstanding >= (1 + self.cfg.max_staleness) * self.cfg.groups_per_step
+
+    async def _produce(self) -> None:
+        """Keeps rollout busy within the staleness bound (modes tiderl, async, stream)."""
+        while not self._stop:
+            if self._throttled():
+                t0 = self.now()
+                idle = not self.in_flight
+                self._changed.clear()
+                await self._changed.wait()
+                if idle:
+                    self.rwt += self.now() - t0
+                continue
+            group = self._next_group()
+            if group is None:
+                return
+            self._start_group(group)
+            await asyncio.sleep(0)
+
+    # -- training side ---------------------------------------------------------------------------
+    async def _wait_ready(self, n: int) -> float:
+        """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
+        t0 = self.now()
+        while len(self.buffer) < n:
+            if self._producer is not None and self._producer.done() and not self.in_flight:
+                break
+            self._ready.clear()
+            await self._ready.wait()
+        return self.now() - t0
+
+    async def _train_step(self) -> dict:
+        c = self.cfg
+        r = self.buffer.begin_step(self.now(), step_time=self._step_time,
+                                   batch_ideal=c.groups_per_step)
+        t_step = self.now()
+        twt = 0.0
+        taken: list[ReadyGroup] = []
+        submitted = 0
+        b_min = c.min_groups_per_step or c.groups_per_step
+        streaming = c.mode in ("tiderl", "stream")
+        while len(taken) < c.groups_per_step:
+            need = c.groups_per_step - len(taken)
+            want = min(need, c.groups_per_microbatch) if streaming else need
+            if len(taken) >= b_min and len(self.buffer) == 0:
+                break  # elastic batch: B_min reached and nothing more is ready
+            waited = await self._wait_ready(want)
+            if submitted == 0:
+                twt += waited
+            groups = self.buffer.take(want, train_version=self.version)
+            self._changed.set()
+            if not groups:
+                if len(self.buffer) == 0 and not self.in_flight and (
+                        self._producer is None or self._producer.done()):
+                    break
+                continue
+            taken += groups
+            seqs = [s for g in groups for s in g.seqs]
+            final = len(taken) >= c.groups_per_step
+            for mb in self.hooks.make_microbatches(seqs, final):
+                self.trainer.submit(mb)
+                submitted += 1
+        if not submitted:
+            raise RuntimeError("no trainable data: every group failed, was stale or had zero "
+                               "reward variance; check the env server and controller settings")
+        m = await self.trainer.finish_step_async()
+        r = self.buffer.end_step(r)
+        step_time = self.now() - t_step
+        self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
+        twt += float(m.get("time_wait", 0.0))
+        finite = all(math.isfinite(float(m.get(k, 0.0))) for k in ("loss", "grad_norm"))
+        if finite and not m.get("skipped", False):
+            self.consumed_tokens += sum(g.action_tokens for g in taken)
+            self.nonfinite = 0
+        else:
+            self.nonfinite += 1
+            self.nonfinite_total += 1
+            log.warning("step %d: non-finite loss/gradient; update skipped (%d in a row)",
+                        self.step + 1, self.nonfinite)
+        return {"train": m, "readiness": r, "taken": taken, "twt": twt, "step_time": step_time}
+
+    # -- evaluation ------------------------------------------------------------------------------
+    async def _evaluate(self, step: int, version: int) -> None:
+        t0 = self.now()
+        groups = await asyncio.gather(*(self.manager.run_group(_tagged(g, f"@s{step}"),
+                                                               is_eval=True)
+                                        for g in self.eval_groups))
+        trajs = [t for g in groups for t in g]
+        ok = [t for t in trajs if t.ok]
+        success = sum(t.reward >= 1.0 for t in ok) / max(1, len(trajs))
+        self.metrics.log({"kind": "eval", "step": step, "version": version,
+                          "eval_success": success,
+                          "eval_reward": sum(t.reward for t in ok) / max(1, len(ok)),
+                          "eval_tasks": len(trajs), "eval_failed": len(trajs) - len(ok),
+                          "eval_time_s": self.now() - t0, "wall_s": self.now() - self._t0})
+        self.last_eval = success
+
+    def _launch_eval(self) -> None:
+        self._eval_task = asyncio.create_task(self._evaluate(self.step, self.version))
+
+    async def _await_eval(self) -> None:
+        if self._eval_task is not None:
+            await self._eval_task
+            self._eval_task = None
+
+    # -- the loop --------------------------------------------------------------------------------
+    def data_state(self) -> dict:
+        """Task-stream position plus groups started but not yet trained (regenerated on resume)."""
+        pending = sorted(self.index_of[g] for g in self.in_flight if g in self.index_of)
+        pending += sorted(self.index_of[g.group_id] for g in self.buffer.ready
+                          if g.group_id in self.index_of)
+        return {"next_index": self.stream.next_index,
+                "pending": sorted(set(pending) | set(self._regen))}
+
+    async def run(self) -> dict:
+        c = self.cfg
+        self._t0 = self.now()
+        self.last_eval = float("nan")
+        if c.mode != "sync":
+            self._producer = asyncio.create_task(self._produce(), name="producer")
+        if c.eval_every:
+            self._launch_eval()
+        try:
+            while self.step < c.steps and not self._stop:
+                if c.time_limit_s and self.now() - self._t0 > c.time_limit_s:
+                    log.info("time limit reached after %d steps", self.step)
+                    break
+                t_roll = self.now()
+                if c.mode == "sync":
+                    for _ in range(c.groups_per_step):
+                        g = self._next_group()
+                        if g is None:
+                            break
+                        self._start_group(g)
+                    while self.in_flight:
+                        self._ready.clear()
+                        await self._ready.wait()
+                rollout_s = self.now() - t_roll
+                out = await self._train_step()
+                self.step += 1
+                self.version = self.trainer.version
+                await self._await_eval()
+                t_sync = self.now()
+                plan = self.planner.plan(out["readiness"], self.roles)
+                self.roles = plan.roles
+                await self.hooks.sync_weights(self.trainer.export_weights(), self.version)
+                sync_s = self.now() - t_sync
+                self._changed.set()
+                if c.mode == "sync":
+                    self.rwt += out["step_time"] + sync_s
+                    out["twt"] = rollout_s
+                self._log_step(out, sync_s)
+                if self.hooks.checkpoint is not None and c.checkpoint_every and (
+                        self.step % c.checkpoint_every == 0 or self.step == c.steps):
+                    self.hooks.checkpoint(self.step, self.data_state())
+                if self.nonfinite >= c.max_nonfinite_steps:
+                    if self.hooks.checkpoint is not None:
+                        self.hooks.checkpoint(self.step, self.data_state())
+                    raise NonFiniteStop(
+                        f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
+                        f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
+                        "trainer.grad_clip, then resume with --resume")
+                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
+                    self._launch_eval()
+        finally:
+            self._stop = True
+            self._changed.set()
+            if self._producer is not None:
+                self._producer.cancel()
+                await asyncio.gather(self._producer, return_exceptions=True)
+        # A final evaluation of the last weights, then let in-flight rollouts finish or go.
+        await self._await_eval()
+        if c.eval_every:
+            await self._evaluate(self.step, self.version)
+        for t in list(self._bg):
+            t.cancel()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        return self._summary()
+
+    def _log_step(self, out: dict, sync_s: float) -> None:
+        m, r = out["train"], out["readiness"]
+        wall = self.now() - self._t0
+        taken: list[ReadyGroup] = out["taken"]
+        rs = self.manager.stats()
+        rec = {
+            "kind": "step", "step": self.step, "version": self.version, "wall_s": wall,
+            "goodput": self.consumed_tokens / max(wall, 1e-9),
+            "gen_throughput": self.generated_tokens / max(wall, 1e-9),
+            "consumed_tokens": self.consumed_tokens,
+            "generated_tokens": self.generated_tokens,
+            "kv_hit_rate": rs["kv_hit_rate"],
+            "prefill_computed": rs["computed_tokens"],
+            "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
+            "groups": len(taken),
+            "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
+            "sync_s": sync_s,
+            "ras": r.ras, "tprm_s": r.tprm, "hol_s": r.hol_s,
+            "generation_deficit": r.generation_deficit,
+            "consumption_deficit": r.consumption_deficit,
+            "staleness_mean": _mean_staleness(taken, self.version - 1),
+            "rollout_ranks": self.roles.rollout_ranks, "trainer_ranks": self.roles.trainer_ranks,
+            "nonfinite_skipped": self.nonfinite_total,
+            "eval_success": self.last_eval,
+            **{k: v for k, v in m.items() if isinstance(v, (int, float, str))},
+            **self.buffer.summary(),
+            "end_reasons": rs["end_reasons"],
+        }
+        self.rwt = 0.0
+        self.metrics.log(rec)
+
+    def _summary(self) -> dict:
+        from tiderl.control.metrics import summarize
+
+        return summarize(self.metrics.records)
+
+
+def _tagged(group: dict, tag: str) -> dict:
+    """The same eval group under ids unique to one evaluation round."""
+    gid = group["group_id"] + tag
+    return {**group, "group_id": gid,
+            "tasks": [{**t, "task_id": t["task_id"] + tag, "group_id": gid}
+                      for t in group["tasks"]]}
+
+
+def _mean_staleness(groups: Sequence[ReadyGroup], train_version: int) -> float:
+    s = [train_version - g.min_version for g in groups if g.min_version >= 0]
+    return sum(s) / len(s) if s else 0.0
+
+
+def trajectory_tokens(trajs: Sequence[Trajectory]) -> int:
+    return sum(t.action_token_count for t in trajs)

@@ -1,0 +1,147 @@
+"""Builds one run from a RunConfig — engines, rollout ranks, trainer backend, env endpoint, task
+streams, checkpoints — and runs the controller. The JAX side of `python -m tiderl.launch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from tiderl.config import RunConfig
+from tiderl.control.buffer import ReadinessBuffer
+from tiderl.control.controller import Controller, Hooks
+from tiderl.control.ers import Roles
+from tiderl.control.metrics import MetricsSink
+from tiderl.envs.client import EnvClient
+from tiderl.envs.server import endpoint
+from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.envs.templates import template_for
+from tiderl.models.tokenizer import load_tokenizer
+from tiderl.serving.ctb import make_scheduler
+from tiderl.serving.engine import Engine
+from tiderl.serving.rank import RolloutRank
+from tiderl.serving.rollout import RolloutManager
+from tiderl.train.backend import TrainerBackend
+from tiderl.train.checkpoint import Checkpointer
+from tiderl.train.dispatch import microbatches
+from tiderl.train.ref_actor import dp_size
+
+log = logging.getLogger(__name__)
+
+
+def trainer_config_for_mode(cfg: RunConfig):
+    """The baselines' trainer settings (DESIGN §8): stream alternates Ref/Actor per micro-batch,
+    async and sync aggregate a whole global batch, tiderl lets RA2P decide."""
+    t = cfg.trainer
+    mode = cfg.controller.mode
+    if mode == "stream":
+        return dataclasses.replace(t, aggregate=False)
+    return t
+
+
+class MicroBatcher:
+    """Packs ready sequences; what does not fill a micro-batch waits for the next call."""
+
+    def __init__(self, cfg: RunConfig, n_ranks: int, order: str):
+        self.cfg, self.n_ranks, self.order = cfg, n_ranks, order
+        self.waiting: list[Any] = []
+
+    def __call__(self, seqs: list[Any], final: bool) -> list[Any]:
+        t = self.cfg.trainer
+        mbs, self.waiting = microbatches(self.waiting + list(seqs), n_ranks=self.n_ranks,
+                                         row_len=t.row_len, rows_per_rank=t.rows_per_rank,
+                                         order=self.order, balance=t.balance, final=final)
+        return mbs
+
+
+async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
+    """Runs the configured job to the end; returns the final summary."""
+    from tiderl.launch import build
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    devices, plan, meshes, graphdef, params = build(cfg)
+    tok = load_tokenizer(cfg.model.tokenizer)
+    template = template_for(tok, "auto")
+    rcfg = dataclasses.replace(cfg.rollout, stop_tokens=tuple(sorted(template.stop_ids)))
+    tcfg = trainer_config_for_mode(cfg)
+    ref_mesh = meshes["ref"] if plan.ref else None
+    trainer = TrainerBackend(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
+                             temperature=rcfg.temperature, seed=cfg.seed,
+                             policy=(graphdef, params))
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.controller.keep_checkpoints)
+    start_step, data_state = 0, {"next_index": 0, "pending": []}
+    if resume:
+        restored = ckpt.restore(trainer)
+        if restored is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {run_dir}/checkpoints;"
+                                    " start without --resume")
+        start_step, data_state = restored
+        log.info("resuming at step %d, version %d", start_step, trainer.version)
+    rank_devices = [devices[r[0]] for r in plan.rollout]
+    weights = trainer.export_weights()
+    engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
+                      version=trainer.version) for d in rank_devices]
+    ranks = [RolloutRank(i, e) for i, e in enumerate(engines)]
+    sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
+    capacity = rcfg.num_pages * rcfg.page_size
+    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
+                           max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
+    sched.cfg.check_group_size(cfg.env.group_size)
+
+    async def sync_weights(exported: Any, version: int) -> None:
+        await asyncio.gather(*(r.update_weights(jax.device_put(exported, d), version)
+                               for r, d in zip(ranks, rank_devices, strict=True)))
+
+    train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
+    train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
+    eval_src = TaskSource.from_config(cfg.env, "eval")
+    eval_groups = [eval_src.element(k) for k in range(min(cfg.controller.eval_groups,
+                                                          eval_src.groups))]
+
+    def checkpoint(step: int, state: dict) -> None:
+        ckpt.save(trainer, data_state=state)
+
+    order = "decoupled" if trainer.mode == "decoupled" else "colocated"
+    hooks = Hooks(sync_weights=sync_weights,
+                  make_microbatches=MicroBatcher(cfg, dp_size(meshes["actor"]), order),
+                  checkpoint=checkpoint)
+    buffer = ReadinessBuffer(groups_per_microbatch=cfg.controller.groups_per_microbatch,
+                             max_staleness=cfg.controller.max_staleness,
+                             min_ok_per_group=cfg.controller.min_ok_per_group,
+                             zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
+    metrics = MetricsSink(run_dir, console=cfg.controller.console,
+                          prometheus_port=cfg.controller.prometheus_port,
+                          total_steps=cfg.controller.steps)
+    summary: dict = {}
+    try:
+        for r in ranks:
+            await r.start()
+        async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
+            manager = RolloutManager(ranks, sched, env, template,
+                                     max_turns=cfg.controller.max_turns,
+                                     system=cfg.controller.system_prompt or None)
+            controller = Controller(
+                cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
+                train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
+                buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
+                start_step=start_step, pending=data_state.get("pending", []),
+                group_size=cfg.env.group_size)
+            summary = await controller.run()
+            summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
+    finally:
+        metrics.close()
+        for r in ranks:
+            await r.close()
+        ckpt.wait()
+        ckpt.close()
+        trainer.close()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
