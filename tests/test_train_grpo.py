@@ -146,3 +146,13 @@ def test_accumulated_microbatches_equal_full_batch_gradient(policy):
     err = rel_err(be._grads, fused)
     print(f"accumulated over {len(mbs)} micro-batches vs full batch: relative L2 error {err:.2e}")
     assert err <= REL_TOL
+
+
+def test_padding_with_extreme_logprobs_gives_finite_cotangent():
+    logp = jnp.array([[0.0, -2.0, -900.0]])  # position 2 is padding with an absurd logprob
+    ref = jnp.array([[0.0, -2.1, -1.0]])
+    batch = {"loss_mask_bt": jnp.array([[0.0, 1, 0]]), "advantages_bt": jnp.array([[0.0, 1, 0]]),
+             "behaviour_logprobs_bt": jnp.array([[0.0, -2.0, 0]]),
+             "segment_ids_bt": jnp.array([[1, 1, 0]]), "versions_bt": jnp.zeros((1, 3), jnp.int32)}
+    cot, _ = cotangent(logp, ref, batch, jnp.int32(0), LossSpec(kl_coef=1.0))
+    assert bool(jnp.all(jnp.isfinite(cot))) and float(cot[0, 2]) == 0.0

@@ -112,10 +112,12 @@ def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: d
         pg = jnp.where(stale, pg_stale, pg)
     else:
         stale = jnp.zeros_like(mask, dtype=bool)
-    kl = kl_estimate(logp_bt, ref_bt, spec.kl_estimator)
+    on = mask > 0
+    # Off-mask inputs are zeroed *before* the nonlinearity: a `where` after it would still send
+    # 0 · inf = NaN gradients back from padding positions with extreme logprobs.
+    kl = kl_estimate(jnp.where(on, logp_bt, 0.0), jnp.where(on, ref_bt, 0.0), spec.kl_estimator)
     per_tok = pg + spec.kl_coef * kl
     total = jnp.sum(jnp.where(w > 0, w * per_tok, 0.0))
-    on = mask > 0
     metrics = {
         "loss_sum": total,
         "pg_sum": jnp.sum(jnp.where(w > 0, w * pg, 0.0)),
