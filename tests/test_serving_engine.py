@@ -166,13 +166,18 @@ def test_fork_shares_pages_and_siblings_continue_correctly(model):
     assert [int(eng.pages.refcount[p]) for p in table] == [4, 4, 4]
     assert eng.pages.pages_in_use == 3 and eng.pages.pages_shared == 3  # counted once
     assert all(k.tokens == parent.tokens[:10] and k.kv_length == 10 for k in kids)
-    for k in kids:
+    for k in kids[:2]:
         eng.prefill(None, k, [], 0)  # samples the sibling's own first token
     # Each sibling copied only the partial last page; the two full pages stay shared by all.
-    assert [int(eng.pages.refcount[p]) for p in table] == [4, 4, 1]
-    assert eng.pages.pages_in_use == 3 + 3 and eng.counters.page_copies == 3
-    for h in [parent, *kids]:
+    assert [int(eng.pages.refcount[p]) for p in table] == [4, 4, 2]
+    assert eng.pages.pages_in_use == 3 + 2 and eng.counters.page_copies == 2
+    for h in [parent, *kids[:2]]:
         state = eng.insert(h, state)
+    state, _ = eng.generate(None, state)  # the parent writes its shared page: copy in decode
+    assert eng.counters.page_copies == 3 and eng.pages.pages_in_use == 3 + 3
+    eng.prefill(None, kids[2], [], 0)  # the last holder of the page: no copy
+    assert eng.counters.page_copies == 3
+    state = eng.insert(kids[2], state)
     state = _decode_until_done(eng, state, [parent, *kids])
     actions = [tuple(h.action_tokens) for h in [parent, *kids]]
     assert len(set(actions)) > 1  # siblings diverged
