@@ -9,7 +9,8 @@ For each batch size every contender decodes with `--context` tokens resident:
   nocache     full forward over the whole context every step (no KV cache)
   hf          transformers `generate` with its KV cache (torch CPU, greedy; credited with its
               best of sdpa/eager attention and 1/all threads at each batch size)
-Medians over repeats; the last stdout line is one JSON object with the headline figures.
+Contenders run interleaved within each repeat (load swings on a shared box hit all alike);
+medians of per-step times; the last stdout line is one JSON object with the headline figures.
 
     python benchmarks/engine.py [--batches 1 8 32] [--context 512] [--steps 16] [--repeats 3]
 """
@@ -45,15 +46,6 @@ QWEN2_TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_h
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                   max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, use_sliding_window=False)
-
-
-def _median_time(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def build_models(seed=0):
@@ -103,7 +95,17 @@ def nocache_step(graphdef):
     return jax.jit(step)
 
 
+def _timed(fn, n):
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
+    """Per-step times of every contender at batch b, interleaved repeat by repeat."""
     steps, ctx = args.steps, args.context
     rc = RolloutConfig(page_size=16, num_pages=b * (-(-(ctx + steps + 2) // 16)), max_slots=b,
                        max_context=ctx + steps + 2, max_action_tokens=steps + 1,
@@ -111,25 +113,21 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
     eng = Engine(graphdef, params, cfg, rc, seed=0)
     temp_b = np.zeros(b, np.float32)
     task_b = np.arange(b, dtype=np.int32)
-    res = {}
+    runs = {}  # contender -> () -> list of step times
 
-    # engine: prefill b tasks (untimed), then time each generate step.
+    # engine: prefill b tasks (untimed), then Engine.generate steps.
     state = eng.init_decode_state()
     hs = [eng.prefill(None, None, prompts[i], ctx, task_id=i) for i in range(b)]
     for h in hs:
         state = eng.insert(h, state)
-    state, _ = eng.generate(None, state)  # compile
-    times = []
-    for _ in range(args.repeats):
-        for h in hs:  # restart each repeat from the same resident context
+    state, _ = eng.generate(None, state)
+
+    def engine_run():
+        for h in hs:  # restart from the same resident context (the pages are still there)
             del h.tokens[ctx + 2:]
             h.kv_length, h.decoding, h.stop_reason = ctx + 1, True, 0
-        for _ in range(steps - 2):
-            t0 = time.perf_counter()
-            state, _ = eng.generate(None, state)
-            times.append(time.perf_counter() - t0)
-    res["engine_step"] = statistics.median(times)
-    engine_tokens = [list(h.tokens[ctx:]) for h in hs]
+        return _timed(lambda: eng.generate(None, state), steps - 2)
+    runs["engine"] = engine_run
 
     # paged: the engine's own jitted decode step, fixed inputs, bookkeeping excluded.
     fn = make_step(graphdef, kind="decode", impl=eng.attention, interpret=eng.interpret,
@@ -143,8 +141,7 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
         state.pools, packed, _ = fn(params, state.pools, eng.run_key, tok, start, ones, table,
                                     task_b, temp_b)
         np.asarray(packed)
-    paged()
-    res["paged_step"] = _median_time(paged, args.repeats * steps)
+    runs["paged"] = lambda: _timed(paged, steps)
 
     # dense: same model and sampler over [B, L, K, Dh].
     L = rc.max_pages_per_slot * rc.page_size
@@ -161,8 +158,7 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
         holder[0], packed = dense_step(graphdef, 1)(params, holder[0], eng.run_key, dense_tok,
                                                     start, ones, task_b, temp_b)
         np.asarray(packed)
-    dense()
-    res["dense_step"] = _median_time(dense, args.repeats * steps)
+    runs["dense"] = lambda: _timed(dense, steps)
 
     # nocache: recompute the whole context each step (padded to L so it compiles once).
     ctx_bl = np.zeros((b, L), np.int32)
@@ -170,38 +166,47 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
     ctx_bl[:, ctx] = dense_tok[:, 0]
     nc = nocache_step(graphdef)
     len_b = np.full(b, ctx + 1, np.int32)
-    nc_once = lambda: np.asarray(nc(params, eng.run_key, ctx_bl, len_b, task_b, temp_b))  # noqa: E731
-    nc_once()
-    res["nocache_step"] = _median_time(nc_once, max(2, args.repeats))
+    runs["nocache"] = lambda: _timed(
+        lambda: np.asarray(nc(params, eng.run_key, ctx_bl, len_b, task_b, temp_b)), 1)
 
     # hf: generate with its KV cache. A logits processor stamps the time of every step (it runs
-    # once per generated token, right after the forward), so prefill is excluded exactly.
+    # once per generated token, right after the forward), so prefill is excluded exactly. HF is
+    # credited with its best variant: sdpa or eager attention (on CPU sdpa is sometimes much
+    # slower, e.g. ~0.47 s/step at B=16) and 1 or all torch threads (OpenMP barriers stall
+    # when other processes take the cores, as on a shared box).
     ids = torch.as_tensor(prompts[:b], dtype=torch.long)
     mask = torch.ones_like(ids)
     stamps: list[float] = []
+    hf_out = {}
 
     def stamp(input_ids, scores):
         stamps.append(time.perf_counter())
         return scores
 
-    # HF is credited with its best variant at each batch size: sdpa or eager attention (on CPU
-    # sdpa is sometimes much slower, e.g. ~0.47 s/step at B=16), and 1 or all torch threads
-    # (OpenMP barriers stall when other processes take the cores, as on a shared box).
-    for threads in sorted({1, os.cpu_count() or 1}):
+    def hf_run(model, threads):
         torch.set_num_threads(threads)
+        stamps.clear()
+        with torch.no_grad():
+            hf_out["tokens"] = model.generate(
+                ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                do_sample=False, pad_token_id=0,
+                logits_processor=transformers.LogitsProcessorList([stamp]))
+        return list(np.diff(stamps))
+
+    for threads in sorted({1, os.cpu_count() or 1}):
         for impl, model in hf.items():
-            step_times = []
-            for _ in range(args.repeats + 1):  # the first run warms torch up
-                stamps.clear()
-                with torch.no_grad():
-                    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
-                                         min_new_tokens=steps, do_sample=False, pad_token_id=0,
-                                         logits_processor=transformers.LogitsProcessorList([stamp]))
-                step_times.append(list(np.diff(stamps)))
-            res[f"hf_{impl}_t{threads}_step"] = statistics.median(
-                t for run in step_times[1:] for t in run)
-    res["hf_step"] = min(v for k, v in res.items() if k.startswith("hf_") and k != "hf_step")
-    hf_tokens = out[:, ctx:].tolist()
+            runs[f"hf_{impl}_t{threads}"] = functools.partial(hf_run, model, threads)
+
+    for run in runs.values():  # warm-up: compile, first-call allocations
+        run()
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats):  # interleaved, so load swings hit every contender alike
+        for name, run in runs.items():
+            times[name] += run()
+    res = {f"{name}_step": statistics.median(t) for name, t in times.items()}
+    res["hf_step"] = min(v for k, v in res.items() if k.startswith("hf_"))
+    engine_tokens = [list(h.tokens[ctx:]) for h in hs]
+    hf_tokens = hf_out["tokens"][:, ctx:].tolist()
     n = min(8, steps)
     agree = np.mean([e[:n] == h[:n] for e, h in zip(engine_tokens, hf_tokens, strict=True)])
     res["greedy_agree_first8"] = float(agree)
