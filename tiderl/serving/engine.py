@@ -43,7 +43,12 @@ whole life; it holds the context as token ids (token in, token out) and where it
   intact), StaleKVError. `params` passed to prefill/generate must be the engine's current
   weights (or None); weights only change through `update_weights`.
 - `counters` (EngineCounters) and `stats()`: prompt tokens queried/served from resident KV,
-  tokens computed by reason (new / evicted / version), pages in use and shared.
+  tokens computed by reason (new / evicted / version), pages in use and shared. Per task,
+  `Prefix.versions` holds the weight version of each sampled token and
+  `prefill_computed` / `prefill_cached` the last prefill's accounting.
+- Compilation: decode traces once per decode bucket, prefill once per (batch bucket, length
+  bucket); engines of one model and config in a process share compiled kernels.
+- Not thread-safe: drive an engine from one thread (the rank's device worker).
 """
 
 from __future__ import annotations
