@@ -144,4 +144,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
         ckpt.close()
         trainer.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if summary.get("steps"):
+        from tiderl.report import write_plots
+
+        summary["plots"] = [str(p) for p in write_plots(run_dir)]
     return summary

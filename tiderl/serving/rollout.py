@@ -83,6 +83,7 @@ class _Episode:
     rank: int | None = None
     session: str = ""
     migrate_from: int | None = None
+    env_paused: bool = False
 
 
 class RolloutManager:
@@ -99,7 +100,6 @@ class RolloutManager:
         self.episodes: dict[str, _Episode] = {}
         self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
         self.end_reasons: dict[str, int] = {}
-        self._bg: set[asyncio.Task[Any]] = set()
 
     # -- scheduling -----------------------------------------------------------------------------
     def kick(self) -> None:
@@ -114,22 +114,15 @@ class RolloutManager:
                 self.decisions["pause"] += 1
                 self.ranks[d.rank].pause(ep.num_id)
                 ep.wake.clear()
-                if ep.session:
-                    self._spawn(self.env.pause(ep.session))
             elif isinstance(d, Resume):
                 self.decisions["resume"] += 1
                 if ep.rank is not None and ep.rank != d.rank:
                     ep.migrate_from = ep.rank
                     self.ranks[ep.rank].abort_turn(ep.num_id)
+                elif ep.rank is not None:
+                    self.ranks[ep.rank].resume(ep.num_id)
                 ep.rank = d.rank
-                if ep.session:
-                    self._spawn(self.env.resume(ep.session))
                 ep.wake.set()
-
-    def _spawn(self, coro: Any) -> None:
-        t = asyncio.ensure_future(coro)
-        self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
 
     def quarantine(self, rank: int) -> None:
         if rank in self.sched.dead:
@@ -159,11 +152,22 @@ class RolloutManager:
         return list(await asyncio.gather(*(self._episode(ep) for ep in eps)))
 
     async def _active(self, ep: _Episode) -> RolloutRank:
+        """The task's rank once it is active. While it is parked, its env session is paused
+        (/pause, /resume go through this coroutine, so they never race the session's own
+        /observation calls)."""
         while True:
-            await ep.wake.wait()
             if ep.rank is not None and ep.task.state == "active":
+                if ep.env_paused:
+                    ep.env_paused = False
+                    await self.env.resume(ep.session)
+                    continue  # state may have changed while we awaited
                 return self.ranks[ep.rank]
+            if ep.session and not ep.env_paused:
+                ep.env_paused = True
+                await self.env.pause(ep.session)
+                continue
             ep.wake.clear()
+            await ep.wake.wait()
 
     async def _episode(self, ep: _Episode) -> Trajectory:
         tid = ep.task.task_id
