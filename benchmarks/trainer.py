@@ -105,10 +105,10 @@ def main() -> None:
     ref = make_mesh(devs[half:2 * half], data=half)
     mbs = make_mbs(half, seed=2)
     modes = {
-        "VS": (dict(aggregate=False, offload=False), None),
-        "VSO": (dict(aggregate=False, offload=True), None),
-        "CM": (dict(aggregate=True, offload=True), None),
-        "CMk": (dict(aggregate=True, offload=False), None),
+        "VS": (dict(aggregate=False, offload="never"), None),
+        "VSO": (dict(aggregate=False, offload="always"), None),
+        "CM": (dict(aggregate=True, offload="always"), None),
+        "CMk": (dict(aggregate=True, offload="never"), None),
         "DM": ({}, ref),
     }
     rows, times = {}, {}

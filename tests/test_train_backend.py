@@ -58,11 +58,12 @@ def test_decoupled_and_colocated_equal_fused_step(policy, meshes):
     dec = TrainerBackend(CFG, TINY, actor_mesh=actor, ref_mesh=ref, policy=policy)
     dec.version = 1
     m_dec = dec.train_step(mbs)
-    col_cfg = dataclasses.replace(CFG, offload=True, aggregate=True)
+    col_cfg = dataclasses.replace(CFG, offload="always", aggregate=True)
     col = TrainerBackend(col_cfg, TINY, actor_mesh=actor, policy=policy)
     col.version = 1
     m_col = col.train_step(mbs)
     assert m_dec["mode"] == "decoupled" and m_col["mode"] == "colocated"
+    assert m_col["offload"] and not m_dec["offload"]
     assert m_dec["stale_frac"] > 0 and m_dec["microbatches"] == len(mbs)
     d_dec = _max_diff(dec.state["params"], fused.state["params"])
     d_col = _max_diff(col.state["params"], fused.state["params"])
@@ -89,7 +90,8 @@ def test_alternation_vs_aggregation_swaps(policy, meshes):
     mbs = _mbs(seed=1)
     k = len(mbs)
     out = {}
-    for name, agg, off in (("VS", False, False), ("VSO", False, True), ("CM", True, True)):
+    for name, agg, off in (("VS", False, "never"), ("VSO", False, "always"),
+                           ("CM", True, "always")):
         be = TrainerBackend(dataclasses.replace(CFG, aggregate=agg, offload=off), TINY,
                             actor_mesh=actor, policy=policy)
         out[name] = (be.train_step(mbs), be.state["params"])

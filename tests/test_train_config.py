@@ -23,9 +23,9 @@ def test_bad_values_name_the_key(kw, key):
 
 def test_overrides_reach_trainer_fields():
     data = apply_overrides(RunConfig, {}, ["trainer.kl_estimator=k2", "trainer.loss_agg=seq_mean",
-                                           "trainer.offload=true"])
+                                           "trainer.offload=always"])
     cfg = from_dict(RunConfig, data)
     assert (cfg.trainer.kl_estimator, cfg.trainer.loss_agg, cfg.trainer.offload) == \
-        ("k2", "seq_mean", True)
+        ("k2", "seq_mean", "always")
     with pytest.raises(ConfigError, match="trainer.kl_estimator"):
         from_dict(RunConfig, apply_overrides(RunConfig, {}, ["trainer.kl_estimator=k4"]))

@@ -110,6 +110,7 @@ class TrainerBackend:
         self.rng_key = jax.random.key_data(jax.random.key(seed))
         self.version = 0
         self.where: dict[str, Where] = {"actor": "device", "ref": "device"}
+        self.offload = self._decide_offload()
         self._reset_step()
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -136,6 +137,16 @@ class TrainerBackend:
                 ref_param_shardings=ref_sh))
         self.tx, self.sh, self.ref_param_sh, self.k = _KERNELS[key]
 
+    def _decide_offload(self) -> bool:
+        if self.cfg.offload != "auto":
+            return self.cfg.offload == "always"
+        stats = self.actor_mesh.devices.flat[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return False  # CPU: host memory is the device memory
+        per_device = sum(x.addressable_shards[0].data.nbytes
+                         for x in jax.tree.leaves((self.state, self.ref_params)))
+        return per_device > self.cfg.offload_fraction * stats["bytes_limit"]
+
     def set_ref_mesh(self, ref_mesh: Mesh | None) -> None:
         """Switches RA2P mode between steps: a Ref mesh of its own (decoupled) or None
         (colocated on the Actor's devices). The Ref params move with `jax.device_put`."""
@@ -145,6 +156,7 @@ class TrainerBackend:
         self._bind(ref_mesh)
         self.ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
         self._last_role = None
+        self.offload = self._decide_offload()
 
     # ------------------------------------------------------------------ contract, per call
     def put(self, mb: MicroBatch, role: Role) -> dict:
@@ -311,7 +323,7 @@ class TrainerBackend:
             # even without offload; with offload each is a pinned_host round trip).
             self._alternations += 1
             self._last_role = role
-        if self.mode == "colocated" and self.cfg.offload:
+        if self.mode == "colocated" and self.offload:
             other: Role = "ref" if role == "actor" else "actor"
             self.swap(other, "host")
         self.swap(role, "device")
@@ -428,6 +440,7 @@ class TrainerBackend:
             "alternations": self._alternations,
             "version": self.version,
             "mode": self.mode,
+            "offload": self.offload,
             "step_time": time.perf_counter() - (self._step_t0 or t0),
         }
         metrics.update({f"time_{k}": v for k, v in self._times.items()})

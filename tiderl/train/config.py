@@ -67,8 +67,11 @@ class TrainerConfig:
     per micro-batch, the vanilla-streaming baseline)."""
     max_aggregate: int = 16
     """Most micro-batches one colocated Ref/Actor phase takes (memory cap of the cost model)."""
-    offload: bool = False
-    """Colocated: keep the idle model's state in host memory (pinned_host) between phases."""
+    offload: Literal["never", "always", "auto"] = "auto"
+    """Colocated: keep the idle model's state in host memory (pinned_host) between phases.
+    auto: only when the Actor state plus the Ref params would fill more than
+    `offload_fraction` of a device's memory (never on CPU, which reports no limit)."""
+    offload_fraction: float = 0.5
     colocate_slack: float = 0.1
     """RA2P picks colocated when C_col ≤ (1 + slack)·C_dec: it frees the Ref devices."""
     sync_timings: bool = False
@@ -121,6 +124,9 @@ class TrainerConfig:
         if self.mode == "decoupled" and self.ref_devices == 0:
             raise ConfigError("config key 'trainer.mode'='decoupled' needs trainer.ref_devices "
                               "> 0 (devices for the Ref); set it or use mode 'colocated'")
+        if not 0 < self.offload_fraction <= 1:
+            raise ConfigError(f"config key 'trainer.offload_fraction'={self.offload_fraction} "
+                              "must lie in (0, 1]")
         if not 0 < self.adam_b1 < 1 or not 0 < self.adam_b2 < 1:
             raise ConfigError("config keys 'trainer.adam_b1'/'trainer.adam_b2' must lie in "
                               "(0, 1)")
