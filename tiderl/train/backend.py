@@ -16,9 +16,15 @@ Modes:
   async dispatch overlaps Ref forward i with Actor work of earlier micro-batches; nothing blocks
   until the step ends (unless `sync_timings`).
 - colocated (one mesh): ready-batch aggregation — the worker takes every micro-batch queued so far
-  (≤ max_aggregate), runs Ref over all k, then Actor over the k. With `offload`, the idle model's
-  state sits in `pinned_host` memory and each phase change is one swap. `aggregate=False` is the
+  (≤ max_aggregate), runs Ref over all k, then Actor over the k. With offload (trainer.offload
+  'always', or 'auto' when the two models would fill a device), the idle model's state sits in
+  `pinned_host` memory and each phase change moves both models. `aggregate=False` is the
   vanilla-streaming baseline (alternate per micro-batch: VS, or VSO with offload).
+
+`advise_mode(ready_times)` runs the RA2P cost model (train/ra2p.py) on measured phase times;
+`set_ref_mesh(mesh | None)` switches mode between steps (ERS decides; the Ref params move with
+`jax.device_put`). Metrics of `finish_step` carry per-phase times (wait, ref, actor_fwd,
+actor_bwd, swap, apply), swaps (model moves) and alternations (Ref/Actor phase changes).
 """
 
 from __future__ import annotations
