@@ -79,9 +79,26 @@ def test_default_task_rules():
     assert env.step(" 9 ").observation == "invalid"  # out of range costs a guess
     last = env.step("7")
     assert (last.observation, last.done, last.reward) == ("lost", True, 0.0)
-    assert env.close() == (0.0, {"success": False, "target": 6, "guesses_used": 3})
+    assert env.close() == (0.0, {"success": False, "target": 6, "guesses_used": 3,
+                                 "valid_guesses": 2})
     assert [parse_guess(a, 8) for a in ["3", "03", "3.0", "", "x", "8", "0"]] == [
         3, 3, None, None, None, 8, None]
+
+
+def test_default_task_shaping_and_range_hints():
+    env = GuessNumber({"format_bonus": "0.3", "hint": "range"})
+    env.reset({"seed": 0, "target": 6})
+    assert env.step("4").observation == "higher 5-8"
+    assert env.step("x").observation == "invalid 5-8"
+    last = env.step("8")
+    assert (last.observation, last.done) == ("lost", True)
+    assert last.reward == pytest.approx(0.3 * 2 / 3)  # two valid guesses of three
+    env.reset({"seed": 0, "target": 6})
+    assert env.step("7").observation == "lower 1-6"
+    assert env.step("5").observation == "higher 6-6"
+    assert env.step("6").reward == 1.0 and env.close()[0] == 1.0
+    with pytest.raises(ValueError, match="hint"):
+        GuessNumber({"hint": "all"})
 
 
 @pytest.mark.entry

@@ -34,7 +34,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # a ~90k-parameter decoder on a 2-core CPU. Component defaults stay generic; these are the
 # run-level choices that make that job learn within minutes.
 def _default_env() -> EnvConfig:
-    return EnvConfig(options=("format_bonus=0.1",), group_size=8)
+    return EnvConfig(options=("format_bonus=0.1", "hint=range"), group_size=8)
 
 
 def _default_rollout() -> RolloutConfig:

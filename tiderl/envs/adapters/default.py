@@ -48,6 +48,13 @@ class GuessNumber(Adapter):
         self.format_bonus = float(self.options.get("format_bonus", "0"))
         if not 0.0 <= self.format_bonus < 1.0:
             raise ValueError(f"suite option format_bonus={self.format_bonus} must be in [0, 1)")
+        # hint=range appends the range still consistent with all feedback ("higher 5-8"): the
+        # same game and the same open-loop/optimal rates, but each observation carries the
+        # state, so a tiny policy need not attend back across turns to act optimally.
+        self.hint = self.options.get("hint", "none")
+        if self.hint not in ("none", "range"):
+            raise ValueError(f"suite option hint={self.hint!r} must be 'none' or 'range'")
+        self.lo, self.hi = 1, self.n
         self.valid = 0
         self.target = 0
         self.used = 0
@@ -70,6 +77,7 @@ class GuessNumber(Adapter):
         self.target = int_option(task, "target", target_of(seed, self.n), lo=1, hi=self.n)
         self.used = 0
         self.valid = 0
+        self.lo, self.hi = 1, self.n
         self.success = False
         self.history = []
         return FIRST.format(n=self.n)
@@ -87,8 +95,15 @@ class GuessNumber(Adapter):
         if self.used >= self.guesses:
             return Step(LOST, True, self._shaped())
         if guess is None:
-            return Step(INVALID, False, 0.0)
-        return Step(HIGHER if self.target > guess else LOWER, False, 0.0)
+            return Step(self._hinted(INVALID), False, 0.0)
+        if self.target > guess:
+            self.lo = max(self.lo, guess + 1)
+            return Step(self._hinted(HIGHER), False, 0.0)
+        self.hi = min(self.hi, guess - 1)
+        return Step(self._hinted(LOWER), False, 0.0)
+
+    def _hinted(self, word: str) -> str:
+        return f"{word} {self.lo}-{self.hi}" if self.hint == "range" else word
 
     def close(self) -> tuple[float, dict[str, Any]]:
         return (1.0 if self.success else self._shaped(),
