@@ -192,3 +192,20 @@ def test_trajectory_type_is_host_only():
     t = Trajectory(0, np.arange(1, 5, dtype=np.int32), np.array([0, 1, 1, 1], bool),
                    np.zeros(4, np.float32), 1.0)
     assert t.length == 4
+
+
+def test_nonfinite_gradient_skips_the_update(policy, meshes):
+    backend = TrainerBackend(CFG, TINY, actor_mesh=meshes[0], policy=policy)
+    before = jax.device_get(backend.state)
+    mbs = _mbs(n=8, seed=3)
+    poisoned = dataclasses.replace(mbs[0], advantages_bt=np.full_like(mbs[0].advantages_bt,
+                                                                      np.nan))
+    m = backend.train_step([poisoned])
+    assert m["skipped"] is True and not np.isfinite(m["grad_norm"])
+    after = jax.device_get(backend.state)
+    assert _max_diff(before["params"], after["params"]) == 0.0
+    assert _max_diff(before["opt"], after["opt"]) == 0.0
+    m = backend.train_step(mbs[:1])  # and the next finite step updates as usual
+    assert m["skipped"] is False and _max_diff(before["params"], jax.device_get(
+        backend.state)["params"]) > 0
+    backend.close()

@@ -127,7 +127,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
         async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
             manager = RolloutManager(ranks, sched, env, template,
                                      max_turns=cfg.controller.max_turns,
-                                     system=cfg.controller.system_prompt or None)
+                                     system=cfg.controller.system_prompt or None,
+                                     eval_temperature=cfg.controller.eval_temperature)
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,

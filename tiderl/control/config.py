@@ -28,7 +28,9 @@ class ControllerConfig:
     max_turns: int = 4
     eval_every: int = 10
     """Evaluate on held-out tasks every K steps (0: never); eval runs during the next step."""
-    eval_groups: int = 8
+    eval_groups: int = 64
+    eval_temperature: float = 0.0
+    """Sampling temperature of evaluation tasks (0: greedy, as verl's validation default)."""
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     max_nonfinite_steps: int = 3

@@ -84,6 +84,7 @@ class Controller:
         self.roles = roles or Roles(len(manager.ranks), 1, 0)
         self.group_size = group_size
         self.step = start_step
+        self._step0 = start_step
         self.version = trainer.version
         self._regen = list(pending)
         self.index_of: dict[str, int] = {}
@@ -140,11 +141,12 @@ class Controller:
         self._changed.set()
 
     def _throttled(self) -> bool:
-        """Staleness throttle: groups started but not yet consumed (in flight or ready) may not
-        exceed what the trainer can take within the staleness bound. Dropped groups (failed,
-        zero variance, stale) free their place."""
-        outstanding = len(self.in_flight) + len(self.buffer)
-        return outstanding >= (1 + self.cfg.max_staleness) * self.cfg.groups_per_step
+        """Staleness throttle (AReaL's rule): groups started, less those dropped without
+        training (failed, zero variance, stale), may not run more than `max_staleness` steps
+        ahead of the trainer."""
+        live = self.started_groups - sum(self.buffer.dropped.values())
+        steps_done = self.step - self._step0
+        return live >= (steps_done + 1 + self.cfg.max_staleness) * self.cfg.groups_per_step
 
     async def _produce(self) -> None:
         """Keeps rollout busy within the staleness bound (modes tiderl, async, stream)."""
@@ -179,6 +181,7 @@ class Controller:
         r = self.buffer.begin_step(self.now(), step_time=self._step_time,
                                    batch_ideal=c.groups_per_step)
         t_step = self.now()
+        self._t_train_start = t_step
         twt = 0.0
         taken: list[ReadyGroup] = []
         submitted = 0
@@ -227,7 +230,9 @@ class Controller:
     # -- evaluation ------------------------------------------------------------------------------
     async def _evaluate(self, step: int, version: int) -> None:
         t0 = self.now()
-        groups = await asyncio.gather(*(self.manager.run_group(_tagged(g, f"@s{step}"),
+        # Greedy decoding plays every sibling of a group the same way: one task per group.
+        size = 1 if self.cfg.eval_temperature == 0 else None
+        groups = await asyncio.gather(*(self.manager.run_group(_tagged(g, f"@s{step}", size),
                                                                is_eval=True)
                                         for g in self.eval_groups))
         trajs = [t for g in groups for t in g]
@@ -281,7 +286,9 @@ class Controller:
                         self._ready.clear()
                         await self._ready.wait()
                 rollout_s = self.now() - t_roll
+                self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
                 out = await self._train_step()
+                out["t_train"] = (self._t_train_start, self.now())
                 self.step += 1
                 self.version = self.trainer.version
                 await self._await_eval()
@@ -339,6 +346,9 @@ class Controller:
             "groups": len(taken),
             "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
             "sync_s": sync_s,
+            "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
+            **({"t_rollout_start": self._t_roll[0] - self._t0,
+                "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),
             "ras": r.ras, "tprm_s": r.tprm, "hol_s": r.hol_s,
             "generation_deficit": r.generation_deficit,
             "consumption_deficit": r.consumption_deficit,
@@ -359,12 +369,12 @@ class Controller:
         return summarize(self.metrics.records)
 
 
-def _tagged(group: dict, tag: str) -> dict:
-    """The same eval group under ids unique to one evaluation round."""
+def _tagged(group: dict, tag: str, size: int | None = None) -> dict:
+    """The same eval group under ids unique to one evaluation round (first `size` tasks)."""
     gid = group["group_id"] + tag
     return {**group, "group_id": gid,
             "tasks": [{**t, "task_id": t["task_id"] + tag, "group_id": gid}
-                      for t in group["tasks"]]}
+                      for t in group["tasks"][:size]]}
 
 
 def _mean_staleness(groups: Sequence[ReadyGroup], train_version: int) -> float:

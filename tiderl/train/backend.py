@@ -206,7 +206,7 @@ class TrainerBackend:
         self.state, m = self.k.apply(self.state, self._grads, jnp.float32(denom))
         self._grads = None
         self.version += 1
-        return {"grad_norm": m["grad_norm"], "denom": denom}
+        return {"grad_norm": m["grad_norm"], "skipped": m["skipped"], "denom": denom}
 
     def swap(self, role: Role, where: Where) -> float:
         """Moves a model's state between device memory and pinned host memory; seconds taken."""
@@ -439,6 +439,7 @@ class TrainerBackend:
             "stale_frac": float(sums["stale_tokens"]) / n_tok,
             "ratio_mean": float(sums["ratio_sum"]) / n_tok,
             "grad_norm": float(out["grad_norm"]),
+            "skipped": bool(out["skipped"]),
             "action_tokens": self._n_tokens,
             "sequences": self._n_seqs,
             "microbatches": self._n_mbs,

@@ -173,7 +173,12 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         gnorm = optax.tree.norm(grads)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt": opt, "step": state["step"] + 1}, {"grad_norm": gnorm}
+        # A non-finite gradient skips the update (params and moments unchanged); the step still
+        # counts, so checkpoint numbering follows the controller's steps.
+        ok = jnp.isfinite(gnorm)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        return ({"params": keep(params, state["params"]), "opt": keep(opt, state["opt"]),
+                 "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok})
 
     apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
                     out_shardings=(sh.state, None), donate_argnums=(0,))
