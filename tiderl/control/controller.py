@@ -344,6 +344,7 @@ class Controller:
             "prefill_computed": rs["computed_tokens"],
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
+            "group_ids": [g.group_id for g in taken],
             "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
             "sync_s": sync_s,
             "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
