@@ -77,9 +77,11 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str]):
     for r in s.live_ranks():
         assert s.usage(r) <= s.budget(r), (r, s.usage(r), s.budget(r))
     # Paused tasks are resumed before new ones are admitted: no paused task would have fit on a
-    # rank in the room that this round's admissions took.
-    admitted = {d.task_id for d in decisions if isinstance(d, Admit)}
-    for r in {d.rank for d in decisions if isinstance(d, Admit)}:
+    # rank in the room that this round's non-eval admissions took (a new eval task outranks a
+    # paused non-eval one and may preempt it).
+    admitted = {d.task_id for d in decisions
+                if isinstance(d, Admit) and not s.tasks[d.task_id].is_eval}
+    for r in {d.rank for d in decisions if d.task_id in admitted}:
         kept = [t for t in s.active_on(r) if t.task_id not in admitted]
         for p in (t for t in s.tasks.values() if t.state == "paused"):
             assert s._usage_of(kept + [p]) > s.budget(r), (p.task_id, r)
@@ -192,3 +194,63 @@ def test_staleness_throttle_and_quarantine():
     got = s.schedule()
     assert {d.task_id for d in got} >= set(moved)
     assert all(d.rank == 1 for d in got)
+
+
+def test_unsized_groups_send_one_probe_first_and_prompts_count_per_task():
+    # The runner submits tasks with prompt_tokens=0 (the size is known only after /start).
+    # Before the fix every task looked 0 tokens big and a whole step was admitted at once.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    s = CTBScheduler(cfg, [1000], max_context=1000)
+    s.submit([Task(task_id=f"a{i}", group_id="A", prompt_tokens=0, task_type="tw")
+              for i in range(4)])
+    assert [d.task_id for d in s.schedule()] == ["a0"]  # the probe goes alone
+    s.update_usage("a0", 300, executing=True)
+    got = s.schedule()
+    # Siblings are sized by the probe, each holding its own prompt (no fork on this rank):
+    # 300 + 300 + 300 fit, a fourth would not.
+    assert [d.task_id for d in got] == ["a1", "a2"] and s.usage(0) == 900
+    # Another group of the same type is sized by the largest probe of that type.
+    s.submit([Task(task_id="b0", group_id="B", prompt_tokens=0, task_type="tw")])
+    assert s.footprint(s.tasks["b0"]) == 300
+    # A probe that ends before its first turn does not strand its siblings.
+    s2 = CTBScheduler(cfg, [1000], max_context=1000)
+    s2.submit([Task(task_id=f"c{i}", group_id="C", prompt_tokens=0) for i in range(2)])
+    assert [d.task_id for d in s2.schedule()] == ["c0"]
+    s2.finish("c0")
+    assert [d.task_id for d in s2.schedule()] == ["c1"]
+
+
+def test_shared_prompts_count_once_per_group():
+    cfg = CTBConfig(action_reserve=0, shared_prompts=True)
+    s = CTBScheduler(cfg, [1000], max_context=1000)
+    s.submit([Task(task_id=f"a{i}", group_id="A", prompt_tokens=100) for i in range(3)])
+    s.schedule()
+    assert s.usage(0) == 100
+    s.update_usage("a1", 150)
+    # a1's own 50 tokens; a0 and a2 (no turn yet) are sized by their group's probe (150).
+    assert s.usage(0) == 100 + 3 * 50
+    s.update_usage("a0", 100)
+    s.update_usage("a2", 100)
+    assert s.usage(0) == 150
+
+
+def test_growth_planning_admits_by_projected_size():
+    # Tasks of 100 tokens that grow 50 per turn for 9 more turns: by current size 9 fit in
+    # 1000 tokens; planned at half their remaining growth (325 each) only 3 do.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, growth_horizon=0.5)
+    s = CTBScheduler(cfg, [1000], max_context=2000)
+    s.horizon_turns = 10
+    s.submit([Task(task_id=f"t{i}", group_id=f"g{i}", prompt_tokens=100) for i in range(9)])
+    first = [d.task_id for d in s.schedule()]
+    assert first == ["t0"]  # growth unknown: the first task probes it
+    s.update_usage("t0", 100)
+    assert s.schedule() == []  # one turn tells no growth yet
+    s.update_usage("t0", 150)
+    got = [d.task_id for d in s.schedule()]
+    assert got == ["t1", "t2"], got
+    # Without planning, admission goes by current size and fills the budget at once.
+    s2 = CTBScheduler(CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False),
+                      [1000], max_context=2000)
+    s2.horizon_turns = 10
+    s2.submit([Task(task_id=f"t{i}", group_id=f"g{i}", prompt_tokens=100) for i in range(9)])
+    assert len(s2.schedule()) == 9

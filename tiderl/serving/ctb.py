@@ -3,11 +3,13 @@
 One scheduler sees every rollout rank. It holds no device state: ranks report usage, the
 scheduler answers with decisions (`Admit`, `Pause`, `Resume`) that the ranks apply.
 
-Token accounting. A rank's usage is the KV its *active* tasks need: for each GRPO group on the
-rank its shared prompt once, plus each task's own tokens beyond the prompt, plus a reserve for the
-next action. Paused tasks do not count (the rank may keep their KV until pages are needed).
-Usage is refreshed at the start of every turn (`update_usage`); a group's first measured turn
-replaces the prompt-based footprint estimate of its not-yet-admitted siblings (the probe).
+Token accounting. A rank's usage is the KV its *active* tasks need: each task's context plus a
+reserve for the next action (with `shared_prompts`, a GRPO group's prompt counts once per rank,
+for ranks whose siblings share prompt pages through `fork`). Paused tasks do not count (the
+rank may keep their KV until pages are needed). Usage is refreshed at the start of every turn
+(`update_usage`). The probe: a group whose size is unknown sends one task first; its first
+turn sizes the siblings (and other groups of its type). With `plan_growth`, admission also
+projects growth (learned online per task type) so tasks are not admitted only to be paused.
 
 Priority. `P(t) = w1·I_eval + w2·G_completion + w3·I_active + w4·L_context`, with L normalised to
 [0, 1) by `max_context`. The weights must keep the tiers lexicographic (checked in CTBConfig).
@@ -44,6 +46,21 @@ class CTBConfig:
     """How many queued groups admission may look past the head to honour diversity."""
     vanilla_concurrency: int = 64
     """Baseline only: fixed cap on tasks in flight (request-level continuous batching)."""
+    plan_growth: bool = True
+    """Admit a new task only if the rank's active tasks and it still fit once each has grown to
+    its projected final context: the mean final context of finished tasks of its type, or before
+    any has finished, its context plus the type's mean growth per turn times the turns it has
+    left (`horizon_turns`). Contexts grow every turn; admitting by current size alone
+    over-admits and later pauses (and, when pages run short, evicts) tasks in mid-flight.
+    Resumes use current sizes: those tasks are underway."""
+    growth_horizon: float = 0.5
+    """Share of a task's remaining growth that admission plans for (see `plan_growth`). 1 never
+    over-admits but idles KV that tasks reach only at their last turn; staggered tasks hold
+    about half their final context on average, and pausing absorbs the rest."""
+    shared_prompts: bool = False
+    """Count a GRPO group's prompt once per rank (siblings share its pages through `fork`).
+    Leave off unless the ranks fork siblings: a rank that prefills each sibling separately
+    holds the prompt once per task, and planning with shared prompts would overfill it."""
 
     def __post_init__(self):
         if not self.w_active > self.w_context:
@@ -52,6 +69,8 @@ class CTBConfig:
         if not self.w_eval > self.w_group + self.w_active + self.w_context:
             raise ConfigError("config key 'rollout.ctb.w_eval' must exceed w_group + w_active + "
                               "w_context (eval is the top tier)")
+        if not 0 <= self.growth_horizon <= 1:
+            raise ConfigError("config key 'rollout.ctb.growth_horizon' must be in [0, 1]")
         if not 0 < self.budget_fraction <= 1:
             raise ConfigError("config key 'rollout.ctb.budget_fraction' must be in (0, 1]")
         if self.action_reserve < 0:
@@ -86,6 +105,10 @@ class Task:
     """Where the task is active, or (paused) where its KV may still be resident."""
     executing: bool = False
     """In a prefill/decode now (vs waiting on its environment)."""
+    measured: bool = False
+    """Its context length has been reported (`update_usage`); until then usage uses the probe."""
+    turns: int = 0
+    """Turns started (`update_usage` calls)."""
 
     def __post_init__(self):
         self.tokens = max(self.tokens, self.prompt_tokens)
@@ -117,15 +140,24 @@ Decision = Admit | Pause | Resume
 class _Base:
     """Bookkeeping shared by CTB and the vanilla baseline."""
 
-    def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int):
+    def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
+                 max_tasks_per_rank: int | None = None):
         self.cfg = cfg
         self.capacity = list(capacities)
+        self.max_tasks_per_rank = max_tasks_per_rank
+        """Engine slots per rank: a resident task holds one while it waits on its env."""
         self.max_context = max_context
         self.tasks: dict[str, Task] = {}
         self.groups: dict[str, list[str]] = {}
         self.queue: OrderedDict[str, list[str]] = OrderedDict()  # group -> unadmitted task ids
         self.group_done: dict[str, int] = {}
         self.group_probe: dict[str, int] = {}
+        self.final_context: dict[str, tuple[int, int]] = {}
+        """Per task type: (sum, count) of the context lengths finished tasks reached."""
+        self.growth: dict[str, tuple[int, int]] = {}
+        """Per task type: (sum, count) of context growth between consecutive turns."""
+        self.horizon_turns: int | None = None
+        """Turn limit of an episode (the runner sets it); bounds projected growth."""
         self.dead: set[int] = set()
         self.admission_limit: int | None = None
 
@@ -142,7 +174,11 @@ class _Base:
     def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None) -> None:
         """Called at the start of every turn with the task's context length."""
         t = self.tasks[task_id]
-        t.tokens = tokens
+        if t.measured and tokens > t.tokens:
+            total, n = self.growth.get(t.task_type, (0, 0))
+            self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
+        t.tokens, t.measured = tokens, True
+        t.turns += 1
         if executing is not None:
             t.executing = executing
         self.group_probe.setdefault(t.group_id, tokens)
@@ -156,8 +192,18 @@ class _Base:
             return
         if t.state == "new":
             self.queue[t.group_id].remove(task_id)
+        if t.measured:
+            total, n = self.final_context.get(t.task_type, (0, 0))
+            self.final_context[t.task_type] = (total + t.tokens, n + 1)
         t.state, t.executing = "done", False
         self.group_done[t.group_id] += 1
+        if self.group_done[t.group_id] == len(self.groups[t.group_id]):
+            # The whole group is over: forget it (long runs would otherwise grow without bound).
+            for tid in self.groups.pop(t.group_id):
+                del self.tasks[tid]
+            del self.group_done[t.group_id]
+            self.group_probe.pop(t.group_id, None)
+            self.queue.pop(t.group_id, None)
 
     def set_admission_limit(self, n: int | None) -> None:
         """Staleness throttle from the controller: how many more tasks may start (None: any)."""
@@ -222,22 +268,83 @@ class CTBScheduler(_Base):
         return self._usage_of(self.active_on(rank) + ([extra] if extra is not None else []))
 
     def _usage_of(self, tasks: list[Task]) -> int:
+        if not self.cfg.shared_prompts:
+            return sum(self.footprint(t) + self.cfg.action_reserve for t in tasks)
         prompts: dict[str, int] = {}
         own = 0
         for t in tasks:
             prompts[t.group_id] = max(prompts.get(t.group_id, 0), t.prompt_tokens)
-            own += t.tokens - t.prompt_tokens + self.cfg.action_reserve
+            own += self.footprint(t) - t.prompt_tokens + self.cfg.action_reserve
         return sum(prompts.values()) + own
 
     def footprint(self, t: Task) -> int:
-        """Probed estimate for an unadmitted task; the measured context otherwise."""
-        if t.state == "new":
-            return max(t.tokens, self.group_probe.get(t.group_id, t.tokens))
-        return t.tokens
+        """The measured context; before the task's first turn, the probed estimate."""
+        if t.measured:
+            return t.tokens
+        return max(t.tokens, self.estimate(t) or 0)
+
+    def estimate(self, t: Task) -> int | None:
+        """First-turn footprint of `t`'s group: its probe, else the largest probe among groups
+        of the same task type; None when nothing is known yet."""
+        if t.group_id in self.group_probe:
+            return self.group_probe[t.group_id]
+        same = [self.group_probe[g] for g, tids in self.groups.items()
+                if g in self.group_probe and self.tasks[tids[0]].task_type == t.task_type]
+        return max(same) if same else None
+
+    def _probing(self, t: Task) -> bool:
+        """`t`'s size (or, planning growth, its type's growth) is unknown and a task already
+        went ahead as the probe: wait for the probe's first turns."""
+        if self._growth_unknown(t):
+            return any(s.state in ("active", "paused") and s.task_type == t.task_type
+                       for s in self.tasks.values())
+        if t.prompt_tokens or self.estimate(t) is not None:
+            return False
+        return any(self.tasks[s].state in ("active", "paused") and not self.tasks[s].measured
+                   for s in self.groups[t.group_id])
 
     def _fits(self, t: Task, rank: int) -> bool:
+        if self.max_tasks_per_rank is not None and not (t.state == "active" and t.rank == rank) \
+                and len(self.active_on(rank)) >= self.max_tasks_per_rank:
+            return False
         probe = dataclasses.replace(t, tokens=self.footprint(t))
         return self.usage(rank, probe) <= self.budget(rank)
+
+    def expected_final(self, task_type: str) -> int | None:
+        """Mean context length finished tasks of `task_type` reached; None before the first."""
+        total, n = self.final_context.get(task_type, (0, 0))
+        return total // n if n else None
+
+    def projected(self, t: Task) -> int | None:
+        """`t`'s projected final context (see `plan_growth`); None when nothing is known."""
+        now = self.footprint(t)
+        h = self.cfg.growth_horizon
+        final = self.expected_final(t.task_type)
+        if final is not None:
+            return max(now, int(now + h * (final - now)))
+        total, n = self.growth.get(t.task_type, (0, 0))
+        if n and self.horizon_turns is not None:
+            left = max(0, self.horizon_turns - max(t.turns, 1))
+            return min(self.max_context, now + int(h * total * left / n))
+        return None
+
+    def _admit_fits(self, t: Task, rank: int) -> bool:
+        """`_fits` for a new task; with `plan_growth`, at everyone's projected final size."""
+        if not self._fits(t, rank):
+            return False
+        if not self.cfg.plan_growth or t.is_eval:
+            return True
+        grown = []
+        for s in self.active_on(rank) + [t]:
+            size = self.projected(s)
+            grown.append(dataclasses.replace(s, tokens=max(size or 0, self.footprint(s)),
+                                             measured=True))
+        return self._usage_of(grown) <= self.budget(rank)
+
+    def _growth_unknown(self, t: Task) -> bool:
+        """Planning growth, but neither finished tasks nor a second turn of `t`'s type yet."""
+        return (self.cfg.plan_growth and self.horizon_turns is not None and not t.is_eval
+                and self.projected(t) is None)
 
     def affinity(self, t: Task) -> int | None:
         """The rank most likely to hold the task's KV or its group's shared prompt."""
@@ -293,11 +400,15 @@ class CTBScheduler(_Base):
             out.append(Resume(chosen.task_id, rank, migrated))
         # 3. Admit new tasks while budgets, env concurrency and the staleness throttle allow.
         #    Paused tasks that fit somewhere were all resumed above, so none is overtaken. A new
-        #    eval task that fits nowhere preempts non-eval tasks, as a paused one does.
+        #    eval task that fits nowhere preempts non-eval tasks, as a paused one does. Evals go
+        #    first, so a preempting eval never pauses a task admitted in this same round.
         while True:
-            pick = self._pick_new(ranks) if self.n_active() < self.cfg.env_concurrency else None
+            room = self.n_active() < self.cfg.env_concurrency
+            pick = self._pick_new(ranks, evals_only=True) if room else None
             if pick is None:
                 pick = self._pick_eval_by_preemption(ranks, out)
+            if pick is None and room:
+                pick = self._pick_new(ranks)
             if pick is None or not self._take_admission():
                 break
             t, rank = pick
@@ -339,16 +450,21 @@ class CTBScheduler(_Base):
                 return t, r
         return None
 
-    def _pick_new(self, ranks: list[int]) -> tuple[Task, int] | None:
+    def _pick_new(self, ranks: list[int], *, evals_only: bool = False
+                  ) -> tuple[Task, int] | None:
         best: tuple[float, Task, int] | None = None
         for pos, (gid, tids) in enumerate(self.queue.items()):
-            if pos >= self.cfg.lookahead or not tids:
+            if not tids or (evals_only and not self.tasks[tids[0]].is_eval):
+                continue
+            if pos >= self.cfg.lookahead and not evals_only:
                 break
             t = self.tasks[tids[0]]
+            if self._probing(t):
+                continue  # siblings wait for the probe's first turn to size them
             # Eval groups jump the queue; siblings go where the group already is.
             home = self.affinity(t)
-            candidates = [home] if home is not None and self._fits(t, home) else [
-                r for r in ranks if self._fits(t, r)]
+            candidates = [home] if home is not None and self._admit_fits(t, home) else [
+                r for r in ranks if self._admit_fits(t, r)]
             for r in candidates:
                 same = {s.group_id for s in self.active_on(r)
                         if s.task_type == t.task_type and s.group_id != gid}
@@ -393,9 +509,11 @@ class VanillaScheduler(_Base):
 
 
 def make_scheduler(kind: str, cfg: CTBConfig, capacities: Iterable[int], *,
-                   max_context: int) -> CTBScheduler | VanillaScheduler:
+                   max_context: int, max_tasks_per_rank: int | None = None
+                   ) -> CTBScheduler | VanillaScheduler:
     if kind == "ctb":
-        return CTBScheduler(cfg, capacities, max_context=max_context)
+        return CTBScheduler(cfg, capacities, max_context=max_context,
+                            max_tasks_per_rank=max_tasks_per_rank)
     if kind == "vanilla":
         return VanillaScheduler(cfg, capacities, max_context=max_context)
     raise ConfigError(f"config key 'rollout.scheduler'={kind!r}: use 'ctb' or 'vanilla'")

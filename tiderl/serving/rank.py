@@ -52,6 +52,18 @@ class TurnResult:
 
 
 @dataclasses.dataclass
+class _PrefillRequest:
+    """Duck-typed `engine.PrefillRequest`: this module must not import the (JAX) engine."""
+
+    existing_prefix: Prefix | None
+    tokens: list[int]
+    true_length: int
+    task_id: int | None = None
+    temperature: float | None = None
+    max_action_tokens: int | None = None
+
+
+@dataclasses.dataclass
 class _Task:
     prefix: Prefix | None
     pending: list[int] | None = None
@@ -64,6 +76,7 @@ class _Task:
     turn_cached: int = 0
     turn_computed: int = 0
     empty_action: bool = False
+    temperature: float | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +87,11 @@ class RankStats:
     computed_tokens: int = 0
     decode_tokens: int = 0
     decode_steps: int = 0
+    recomputed_evicted: int = 0
+    """Prefill tokens recomputed because their KV had been evicted (pause or LRU)."""
+    recomputed_version: int = 0
+    """Prefill tokens recomputed because a weight sync flushed their KV."""
+    prefill_batches: int = 0
     forced_evictions: int = 0
     pause_evictions: int = 0
     migrations_in: int = 0
@@ -127,10 +145,12 @@ class RolloutRank:
         return int(self.engine.version)
 
     def turn(self, task_id: int, new_tokens: Sequence[int],
-             prefix: Prefix | None = None) -> asyncio.Future[TurnResult]:
+             prefix: Prefix | None = None, *,
+             temperature: float | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
-        `prefix` adopts a migrated task's handle (its KV is re-prefilled here).
+        `prefix` adopts a migrated task's handle (its KV is re-prefilled here); `temperature`
+        overrides the engine's for this task (evaluation decodes greedily with 0).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -147,6 +167,7 @@ class RolloutRank:
             raise RuntimeError(f"task {task_id} already has a turn in flight on rank "
                                f"{self.rank_id}")
         t.pending = list(new_tokens)
+        t.temperature = temperature
         t.paused = False
         t.versions = []
         t.future = asyncio.get_running_loop().create_future()
@@ -161,6 +182,13 @@ class RolloutRank:
         t.paused = True
         if self.evict_on_pause and not t.decoding and t.pending is None:
             self._ops.append(("evict", task_id))
+            self._wake.set()
+
+    def resume(self, task_id: int) -> None:
+        """CTB resumed the task here: its pending turn may run again."""
+        t = self.tasks.get(task_id)
+        if t is not None and t.paused:
+            t.paused = False
             self._wake.set()
 
     def abort_turn(self, task_id: int) -> None:
@@ -280,33 +308,56 @@ class RolloutRank:
                         t.decoding = False
                         t.pending = t.pending or []
         finished: list[tuple[int, TurnResult]] = []
-        for tid in ready:
-            t = self.tasks.get(tid)
-            if t is None or t.pending is None:
-                continue
-            if not self._prefill(tid, t):
-                break  # out of memory with nothing evictable: retry next step
+        batch = [tid for tid in ready
+                 if tid in self.tasks and self.tasks[tid].pending is not None]
+        for tid in self._prefill_batch(batch):
+            t = self.tasks[tid]
             if t.prefix is not None and t.prefix.done:
                 finished.append((tid, self._result(t)))
         if any(t.decoding for t in self.tasks.values()):
             finished += self._decode()
         return finished, replies
 
-    def _prefill(self, tid: int, t: _Task) -> bool:
+    def _prefill_batch(self, batch: list[int]) -> list[int]:
+        """Prefills `batch` (oldest first) in shared engine calls; returns the tasks done.
+
+        Out of pages or slots: evict idle tasks (LRU) and retry; with nothing left to evict,
+        shrink the batch from its newest end (those wait for the next step).
+        """
         eng = self.engine
-        c0 = dataclasses.replace(eng.counters)
-        new = t.pending or []
-        n_before = len(t.prefix.tokens) if t.prefix is not None else 0
-        while True:
+        many = getattr(eng, "prefill_many", None)
+        while batch:
+            reqs = [_PrefillRequest(self.tasks[tid].prefix, self.tasks[tid].pending or [],
+                                    len(self.tasks[tid].pending or []), task_id=tid,
+                                    temperature=self.tasks[tid].temperature)
+                    for tid in batch]
+            n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
+            c0 = dataclasses.replace(eng.counters)
             try:
-                p = eng.prefill(None, t.prefix, new, len(new), task_id=tid)
+                if many is not None:
+                    prefixes = many(None, reqs)
+                else:  # an engine without batched prefill: one call per task, same semantics
+                    prefixes = [eng.prefill(None, r.existing_prefix, r.tokens, r.true_length,
+                                            task_id=r.task_id) for r in reqs[:1]]
+                    batch = batch[:1]
+            except PoolExhaustedError:
+                if not self._evict_lru(exclude=set(batch)):
+                    batch = batch[:-1]
+                continue
+            for p in prefixes:
                 if not p.done:
                     self._state = eng.insert(p, self._state)
-                break
-            except PoolExhaustedError:
-                if not self._evict_lru(exclude=tid):
-                    return False
-        c1 = eng.counters
+            c1 = eng.counters
+            self.stats.prefill_batches += 1
+            self.stats.recomputed_evicted += c1.recomputed_evicted - c0.recomputed_evicted
+            self.stats.recomputed_version += c1.recomputed_version - c0.recomputed_version
+            for tid, p, n0 in zip(batch, prefixes, n_before[:len(batch)], strict=True):
+                self._after_prefill(self.tasks[tid], p, n0)
+            return batch
+        return []
+
+    def _after_prefill(self, t: _Task, p: Prefix, n_before: int) -> None:
+        eng = self.engine
         t.prefix, t.pending = p, None
         t.last_used = time.monotonic()
         if p.stop_reason == StopReason.CONTEXT_LIMIT and len(p.tokens) == n_before:
@@ -314,15 +365,13 @@ class RolloutRank:
             t.versions = []
             t.decoding = False
             t.empty_action = True
-            return True
-        t.turn_prompt += c1.prompt_tokens_queried - c0.prompt_tokens_queried
-        t.turn_cached += c1.prompt_tokens_served - c0.prompt_tokens_served
-        t.turn_computed += (c1.computed_new + c1.recomputed_evicted + c1.recomputed_version
-                            - c0.computed_new - c0.recomputed_evicted - c0.recomputed_version)
+            return
+        t.turn_prompt += p.prefill_cached + p.prefill_computed
+        t.turn_cached += p.prefill_cached
+        t.turn_computed += p.prefill_computed
         n_sampled = len(p.action_tokens) - len(t.versions)
         t.versions += [eng.version] * max(0, n_sampled)
         t.decoding = not p.done
-        return True
 
     def _decode(self) -> list[tuple[int, TurnResult]]:
         eng = self.engine
@@ -353,13 +402,14 @@ class RolloutRank:
                 out.append((tid, self._result(t)))
         return out
 
-    def _evict_lru(self, *, exclude: int | None) -> bool:
-        idle = [(t.last_used, tid) for tid, t in self.tasks.items()
-                if tid != exclude and not t.decoding and t.prefix is not None
-                and t.prefix.slot is not None]
+    def _evict_lru(self, *, exclude: set[int] | None) -> bool:
+        """Evicts one idle task's KV: paused ones first (CTB parked them), then LRU."""
+        idle = [(not t.paused, t.last_used, tid) for tid, t in self.tasks.items()
+                if (exclude is None or tid not in exclude) and not t.decoding
+                and t.prefix is not None and t.prefix.slot is not None]
         if not idle:
             return False
-        _, tid = min(idle)
+        *_, tid = min(idle)
         self.engine.evict(self.tasks[tid].prefix)
         self.stats.forced_evictions += 1
         return True

@@ -90,12 +90,15 @@ class RolloutManager:
     """Runs episodes on rollout ranks under CTB (or the vanilla policy) against an env server."""
 
     def __init__(self, ranks: Sequence[RolloutRank], scheduler: CTBScheduler | VanillaScheduler,
-                 env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None):
+                 env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None,
+                 eval_temperature: float | None = 0.0):
         self.ranks = list(ranks)
         self.sched = scheduler
+        scheduler.horizon_turns = max_turns
         self.env = env
         self.template = template
         self.max_turns = max_turns
+        self.eval_temperature = eval_temperature
         self.system = system
         self.episodes: dict[str, _Episode] = {}
         self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
@@ -257,7 +260,9 @@ class RolloutManager:
                     prefix = moved
                     pending = unfed if unfed is not None else []
                 self.decisions["migrate"] += 1
-            fut = rank.turn(ep.num_id, pending, prefix) if rank.failed is None else None
+            temp = self.eval_temperature if ep.task.is_eval else None
+            fut = rank.turn(ep.num_id, pending, prefix, temperature=temp) \
+                if rank.failed is None else None
             prefix = None
             try:
                 if fut is None:
