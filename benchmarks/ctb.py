@@ -49,6 +49,7 @@ from tiderl.serving.engine import Engine  # noqa: E402
 from tiderl.serving.rank import RolloutRank  # noqa: E402
 from tiderl.serving.rollout import RolloutManager  # noqa: E402
 
+CTB_OVERRIDES: dict = {}
 VERBOSE = bool(os.environ.get("CTB_BENCH_VERBOSE"))
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128)
 
@@ -107,8 +108,8 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
     tmpl = template_for(ByteTokenizer(), "byte")
     rank = RolloutRank(0, engine, max_prefills_per_step=16)
     await rank.start()
-    ctb = CTBConfig(action_reserve=rcfg.max_action_tokens, vanilla_concurrency=cap,
-                    env_concurrency=rcfg.max_slots)
+    ctb = CTBConfig(**{"action_reserve": rcfg.max_action_tokens, "vanilla_concurrency": cap,
+                       "env_concurrency": rcfg.max_slots, **CTB_OVERRIDES})
     sched = make_scheduler(kind, ctb, [rcfg.num_pages * rcfg.page_size],
                            max_context=rcfg.max_context)
     active_samples: list[int] = []
@@ -273,7 +274,13 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=6)
     ap.add_argument("--workloads", default="textworld,default")
+    ap.add_argument("--ctb", default="", help="CTBConfig overrides, e.g. growth_horizon=0.25")
     args = ap.parse_args()
+    for kv in filter(None, args.ctb.split(",")):
+        k, v = kv.split("=", 1)
+        default = getattr(CTBConfig(), k)
+        CTB_OVERRIDES[k] = (v.lower() in ("1", "true")) if isinstance(default, bool) else \
+            type(default)(v)
     t0 = time.perf_counter()
     summary: dict = {}
     for name in args.workloads.split(","):
