@@ -76,6 +76,12 @@ def test_cotangent_by_hand():
     cot3, _ = cotangent(logp, ref, big, jnp.int32(0),
                         LossSpec(kl_coef=0.0, dual_clip=3.0, use_versions=False))
     assert float(cot3[0, 3]) == 0.0
+    # the entropy bonus adds c·log p on every action token (the score-function estimator)
+    cot4, m4 = cotangent(logp, ref, batch, jnp.int32(1),
+                         dataclasses.replace(spec, entropy_coef=0.1))
+    np.testing.assert_allclose(cot4 - cot, 0.1 * logp * batch["loss_mask_bt"], rtol=1e-5,
+                               atol=1e-7)
+    assert float(m4["entropy_sum"]) == 4.0
 
 
 def test_token_logprobs_shift_and_temperature():
@@ -114,7 +120,8 @@ def _setup(policy, cfg, n_traj, seed):
 
 
 def test_deferred_gradient_equals_fused_jax_grad(policy):
-    cfg = TrainerConfig(actor_devices=4, kl_coef=0.2, dual_clip=3.0, clip_low=0.1, clip_high=0.1)
+    cfg = TrainerConfig(actor_devices=4, kl_coef=0.2, dual_clip=3.0, clip_low=0.1, clip_high=0.1,
+                        entropy_coef=0.05)
     be, mbs = _setup(policy, cfg, 10, seed=3)
     b = be.put(mbs[0], "actor")
     assert b["segment_ids_bt"].max() > 1  # packed: several sequences per row

@@ -165,12 +165,31 @@ class Controller:
             self._start_group(group)
             await asyncio.sleep(0)
 
+    async def _sync_rollout(self) -> None:
+        """`sync` mode's rollout phase: start groups until a step's worth is ready (groups that
+        are dropped — failed, zero variance — are replaced), then stop; nothing trains
+        meanwhile and nothing rolls out while training."""
+        while len(self.buffer) < self.cfg.groups_per_step:
+            missing = self.cfg.groups_per_step - len(self.buffer) - len(self.in_flight)
+            for _ in range(max(0, missing)):
+                g = self._next_group()
+                if g is None:
+                    break
+                self._start_group(g)
+            if not self.in_flight:
+                return  # the stream ran out
+            self._ready.clear()
+            await self._ready.wait()
+        while self.in_flight:  # a step's rollout ends only when all its episodes have
+            self._ready.clear()
+            await self._ready.wait()
+
     # -- training side ---------------------------------------------------------------------------
     async def _wait_ready(self, n: int) -> float:
         """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
         t0 = self.now()
         while len(self.buffer) < n:
-            if self._producer is not None and self._producer.done() and not self.in_flight:
+            if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()
             await self._ready.wait()
@@ -277,14 +296,7 @@ class Controller:
                     break
                 t_roll = self.now()
                 if c.mode == "sync":
-                    for _ in range(c.groups_per_step):
-                        g = self._next_group()
-                        if g is None:
-                            break
-                        self._start_group(g)
-                    while self.in_flight:
-                        self._ready.clear()
-                        await self._ready.wait()
+                    await self._sync_rollout()
                 rollout_s = self.now() - t_roll
                 self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
                 out = await self._train_step()

@@ -435,6 +435,7 @@ class TrainerBackend:
             "loss": float(sums["loss_sum"]) / out["denom"],
             "pg_loss": float(sums["pg_sum"]) / out["denom"],
             "kl": float(sums["kl_sum"]) / n_tok,
+            "entropy": float(sums["entropy_sum"]) / n_tok,
             "clip_frac": float(sums["clipped_tokens"]) / n_tok,
             "stale_frac": float(sums["stale_tokens"]) / n_tok,
             "ratio_mean": float(sums["ratio_sum"]) / n_tok,

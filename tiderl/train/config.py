@@ -43,6 +43,9 @@ class TrainerConfig:
     is_cap: float = 2.0
     """Stale tokens (version < trainer version) use truncated IS weights min(ratio, is_cap)."""
     kl_coef: float = 0.001
+    entropy_coef: float = 0.0
+    """Entropy bonus (sampled-token score-function estimator); 0.03–0.1 keeps a policy trained
+    from scratch exploring once most GRPO groups stop varying."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
@@ -96,6 +99,7 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ConfigError(f"config key 'trainer.lr' must be positive, got {self.lr}")
         for name in ("weight_decay", "grad_clip", "warmup_steps", "adv_eps", "kl_coef",
+                     "entropy_coef",
                      "checkpoint_every", "colocate_slack"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "

@@ -48,12 +48,13 @@ class LossSpec:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     use_versions: bool = True
+    entropy_coef: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> LossSpec:
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                    is_cap=cfg.is_cap, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                   loss_agg=cfg.loss_agg)
+                   loss_agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef)
 
 
 def token_logprobs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"],
@@ -117,6 +118,13 @@ def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: d
     # 0 · inf = NaN gradients back from padding positions with extreme logprobs.
     kl = kl_estimate(jnp.where(on, logp_bt, 0.0), jnp.where(on, ref_bt, 0.0), spec.kl_estimator)
     per_tok = pg + spec.kl_coef * kl
+    # Entropy bonus from the sampled tokens alone (so it stays a function of the logprobs and
+    # fits the deferred backward): E[sg(log p)·∇log p] = −∇H, so adding c·sg(log p)·log p to
+    # the loss ascends the entropy. That term's value is not the entropy; the metric below
+    # reports the sampled-token estimate −log p.
+    ent_logp = jnp.where(on, logp_bt, 0.0)
+    if spec.entropy_coef:
+        per_tok = per_tok + spec.entropy_coef * jax.lax.stop_gradient(ent_logp) * ent_logp
     total = jnp.sum(jnp.where(w > 0, w * per_tok, 0.0))
     metrics = {
         "loss_sum": total,
@@ -126,6 +134,7 @@ def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: d
         "stale_tokens": jnp.sum(stale),
         "action_tokens": jnp.sum(mask),
         "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),
+        "entropy_sum": -jnp.sum(ent_logp),
     }
     return total, metrics
 
