@@ -51,6 +51,8 @@ workloads = st.fixed_dictionaries({
         min_size=1, max_size=8,
     ),
     "seed": st.integers(0, 10_000),
+    "horizon": st.sampled_from([None, 1, 5]),
+    "unsized": st.booleans(),
 })
 
 
@@ -99,15 +101,20 @@ def test_ctb_invariants_under_random_workloads(w):
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
     cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
     s = CheckedCTB(CFG, [cap] * w["ranks"], max_context=max_ctx + 1)
+    s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
     turns_left: dict[str, int] = {}
     growth: dict[str, int] = {}
+    prompt: dict[str, int] = {}
     for gi, g in enumerate(w["groups"]):
-        tasks = [Task(task_id=f"g{gi}t{j}", group_id=f"g{gi}", prompt_tokens=g["prompt"],
+        # Unsized: the runner's case, prompt length unknown until the first turn reports it.
+        tasks = [Task(task_id=f"g{gi}t{j}", group_id=f"g{gi}",
+                      prompt_tokens=0 if w["unsized"] else g["prompt"],
                       is_eval=g["eval"], task_type=f"type{gi % 2}") for j in range(g["size"])]
         s.submit(tasks)
         for t in tasks:
             turns_left[t.task_id] = g["turns"]
             growth[t.task_id] = g["growth"]
+            prompt[t.task_id] = g["prompt"]
     killed = False
     for _ in range(400):
         before = {tid: t.state for tid, t in s.tasks.items()}
@@ -125,7 +132,8 @@ def test_ctb_invariants_under_random_workloads(w):
             s.finish(t.task_id)
         else:
             turns_left[t.task_id] -= 1
-            s.update_usage(t.task_id, t.tokens + growth[t.task_id], executing=True)
+            size = t.tokens if t.measured else prompt[t.task_id]
+            s.update_usage(t.task_id, size + growth[t.task_id], executing=True)
         if not killed and w["ranks"] > 1 and event > 0.97:
             s.remove_rank(w["ranks"] - 1)
             killed = True

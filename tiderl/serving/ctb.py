@@ -157,6 +157,8 @@ class _Base:
         self.growth: dict[str, tuple[int, int]] = {}
         """Per task type: (sum, count) of context growth between consecutive turns."""
         self.horizon_turns: int | None = None
+        self._fresh: set[str] = set()
+        """Tasks admitted in the current round: never preempted in the same round."""
         """Turn limit of an episode (the runner sets it); bounds projected growth."""
         self.dead: set[int] = set()
         self.admission_limit: int | None = None
@@ -368,6 +370,7 @@ class CTBScheduler(_Base):
     def schedule(self) -> list[Decision]:
         """One scheduling round; returns the decisions in the order they must be applied."""
         out: list[Decision] = []
+        self._fresh = set()
         ranks = self.live_ranks()
         # 1. Pause the lowest priority while a rank is over budget (never below one task).
         for r in ranks:
@@ -416,23 +419,29 @@ class CTBScheduler(_Base):
             if not self.queue[t.group_id]:
                 del self.queue[t.group_id]
             t.state, t.rank = "active", rank
+            self._fresh.add(t.task_id)
             out.append(Admit(t.task_id, rank))
         return out
 
     def _preemptible_rank(self, t: Task, ranks: list[int]) -> int | None:
         """A rank where pausing non-eval tasks makes room for eval task `t`, if any."""
+        fresh = self._fresh
         for r in ranks:
             active = self.active_on(r)
-            evals = [s for s in active if s.is_eval]
+            keep = [s for s in active if s.is_eval or s.task_id in fresh]
             probe = dataclasses.replace(t, tokens=self.footprint(t), state="active", rank=r)
-            if len(evals) < len(active) and self._usage_of(evals + [probe]) <= self.budget(r):
+            room = self.n_active() - (len(active) - len(keep)) < self.cfg.env_concurrency
+            if len(keep) < len(active) and room and \
+                    self._usage_of(keep + [probe]) <= self.budget(r):
                 return r
         return None
 
     def _preempt_on(self, t: Task, r: int) -> list[Pause]:
         out: list[Pause] = []
         while not (self._fits(t, r) and self.n_active() < self.cfg.env_concurrency):
-            victim = min((s for s in self.active_on(r) if not s.is_eval),
+            fresh = self._fresh
+            victim = min((s for s in self.active_on(r)
+                          if not s.is_eval and s.task_id not in fresh),
                          key=lambda s: (self.priority(s), s.task_id))
             victim.state, victim.executing = "paused", False
             out.append(Pause(victim.task_id, r))
