@@ -93,7 +93,9 @@ class EnvServer:
             collections.OrderedDict())
         self._start_inflight: dict[str, asyncio.Future] = {}
         self._starting = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "tiderl-env")
+        cap = getattr(adapter_cls, "max_workers", None)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            min(workers, cap) if cap else workers, "tiderl-env")
         self._t0 = time.monotonic()
         self.metrics = _Metrics()
         self.app = web.Application(client_max_size=cfg.max_request_bytes,

@@ -31,6 +31,8 @@ class Adapter(abc.ABC):
     """
 
     blocking: ClassVar[bool] = False
+    max_workers: ClassVar[int | None] = None
+    """Cap on the server's worker threads for this adapter (1: not thread-safe)."""
 
     def __init__(self, options: Mapping[str, str] | None = None):
         self.options = dict(options or {})

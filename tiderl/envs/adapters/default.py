@@ -55,6 +55,13 @@ class GuessNumber(Adapter):
         if self.hint not in ("none", "range"):
             raise ValueError(f"suite option hint={self.hint!r} must be 'none' or 'range'")
         self.lo, self.hi = 1, self.n
+        # targets=member: each sibling of a GRPO group gets its own hidden number (the prompt is
+        # the same for every target, so a group is still G samples of one prompt). A policy
+        # that already wins some targets then keeps seeing varied rewards, where one target per
+        # group soon gives all-equal groups that carry no GRPO signal.
+        self.targets = self.options.get("targets", "group")
+        if self.targets not in ("group", "member"):
+            raise ValueError(f"suite option targets={self.targets!r} must be 'group' or 'member'")
         self.valid = 0
         self.target = 0
         self.used = 0
@@ -74,6 +81,8 @@ class GuessNumber(Adapter):
         self.n = int_option(task, "n", self.n, lo=2, hi=9)
         self.guesses = int_option(task, "guesses", self.guesses, lo=1, hi=64)
         seed = int_option(task, "seed", 0, lo=0, hi=(1 << 63) - 1)
+        if self.targets == "member":
+            seed = seed * 1_000_003 + int_option(task, "member", 0, lo=0, hi=1 << 20)
         self.target = int_option(task, "target", target_of(seed, self.n), lo=1, hi=self.n)
         self.used = 0
         self.valid = 0

@@ -82,6 +82,7 @@ class TextWorldGame(Adapter):
     """One TextWorld episode; task fields: seed, rooms, objects, quest_length."""
 
     blocking = True  # generating and compiling a game takes seconds: run in a worker thread
+    max_workers = 1  # TextWorld/jericho sessions are not thread-safe
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
@@ -118,7 +119,10 @@ class TextWorldGame(Adapter):
         if self.env is None:
             raise RuntimeError("step before reset")
         before = self.state.score
-        self.state, _, done = self.env.step(action.strip())
+        # The game interpreter takes printable ASCII only: a NUL byte kills it, and control
+        # bytes or backslashes act as interpreter hot keys. An untrained policy emits all three.
+        command = "".join(c for c in action if " " <= c <= "~" and c != "\\").strip()
+        self.state, _, done = self.env.step(command)
         reward = float(self.state.score - before) / max(1, self.state.max_score)
         return Step(self._observe(self.state), bool(done), reward)
 
