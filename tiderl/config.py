@@ -34,7 +34,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # a ~90k-parameter decoder on a 2-core CPU. Component defaults stay generic; these are the
 # run-level choices that make that job learn within minutes.
 def _default_env() -> EnvConfig:
-    return EnvConfig(options=("format_bonus=0.1", "hint=range"), group_size=8)
+    return EnvConfig(options=("format_bonus=0.1", "hint=range", "targets=member"), group_size=8)
 
 
 def _default_rollout() -> RolloutConfig:
@@ -43,7 +43,14 @@ def _default_rollout() -> RolloutConfig:
 
 
 def _default_trainer() -> TrainerConfig:
-    return TrainerConfig(lr=3e-3, kl_coef=0.0, row_len=128, rows_per_rank=8)
+    return TrainerConfig(lr=3e-3, kl_coef=0.0, entropy_coef=0.01, row_len=128, rows_per_rank=8)
+
+
+def _default_controller() -> ControllerConfig:
+    # Whichever comes first: 1500 steps or 8 minutes, so the whole run (compilation and the
+    # final evaluation included) stays within 10 minutes on a 2-core CPU.
+    return ControllerConfig(steps=1500, time_limit_s=480.0, eval_every=50,
+                            checkpoint_every=100)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +64,7 @@ class RunConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=_default_rollout)
     trainer: TrainerConfig = dataclasses.field(default_factory=_default_trainer)
     env: EnvConfig = dataclasses.field(default_factory=_default_env)
-    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+    controller: ControllerConfig = dataclasses.field(default_factory=_default_controller)
 
     def __post_init__(self):
         if self.rollout.max_context > self.model.max_seq_len:

@@ -89,7 +89,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
     weights = trainer.export_weights()
     engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
                       version=trainer.version) for d in rank_devices]
-    ranks = [RolloutRank(i, e) for i, e in enumerate(engines)]
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+             for i, e in enumerate(engines)]
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
     capacity = rcfg.num_pages * rcfg.page_size
     sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),

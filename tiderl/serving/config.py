@@ -24,6 +24,8 @@ class RolloutConfig:
     scheduler: Literal["ctb", "vanilla"] = "ctb"
     """Task scheduler of the `tiderl` mode (the baseline modes always use 'vanilla')."""
     ctb: CTBConfig = dataclasses.field(default_factory=CTBConfig)
+    prefill_batch: int = 32
+    """Most tasks one rank prefills in one engine call (rows padded to a decode bucket)."""
     page_size: int = 16
     num_pages: int = 256
     """KV pages per rank (the token budget is num_pages × page_size)."""
@@ -51,7 +53,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         for name in ("ranks", "devices_per_rank", "page_size", "num_pages", "max_slots",
-                     "max_context", "max_action_tokens"):
+                     "max_context", "max_action_tokens", "prefill_batch"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'rollout.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
