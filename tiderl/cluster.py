@@ -69,8 +69,7 @@ def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_dev
                 f"trainer.ref_devices={ref_devices} need {need} devices but {n_devices} are "
                 "visible; lower them or raise cluster.fake_cpu_devices"
             )
-        rollout = tuple(tuple(range(r * devices_per_rank, (r + 1) * devices_per_rank))
-                        for r in range(ranks))
+        rollout = _rank_devices(ranks, devices_per_rank)
         actor = tuple(range(actor_devices))
         ref = tuple(range(actor_devices, actor_devices + ref_devices))
         return DevicePlan(n_devices, rollout, actor, ref)
@@ -82,11 +81,14 @@ def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_dev
             f"({ref_devices}) = {need} devices, but {n_devices} are visible; lower rollout.ranks "
             "or the trainer devices, or raise cluster.fake_cpu_devices"
         )
-    rollout = tuple(tuple(range(r * devices_per_rank, (r + 1) * devices_per_rank))
-                    for r in range(ranks))
+    rollout = _rank_devices(ranks, devices_per_rank)
     actor = tuple(range(need_rollout, need_rollout + actor_devices))
     ref = tuple(range(need_rollout + actor_devices, need))
     return DevicePlan(n_devices, rollout, actor, ref)
+
+
+def _rank_devices(ranks: int, per_rank: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ranks))
 
 
 def init_jax(cfg: ClusterConfig) -> list[jax.Device]:

@@ -38,6 +38,7 @@ class MetricsSink:
         self.total_steps = total_steps
         self._progress = None
         self._task = None
+        self._last_eval = float("nan")
         if console:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -56,9 +57,11 @@ class MetricsSink:
             v = record.get(k)
             if isinstance(v, (int, float)) and math.isfinite(v):
                 g.set(v)
-        if self._progress is not None and "step" in record:
+        if record.get("kind") == "eval":
+            self._last_eval = record.get("eval_success", float("nan"))
+        if self._progress is not None and record.get("kind") == "step":
             line = (f"reward {record.get('reward_mean', float('nan')):.2f}  "
-                    f"eval {record.get('eval_success', float('nan')):.2f}  "
+                    f"eval {self._last_eval:.2f}  "
                     f"goodput {record.get('goodput', 0):.0f} tok/s  "
                     f"hit {record.get('kv_hit_rate', 0):.2f}  "
                     f"TWT {record.get('twt_s', 0):.1f}s RWT {record.get('rwt_s', 0):.1f}s")

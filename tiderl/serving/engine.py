@@ -70,6 +70,7 @@ from tiderl.serving.config import RolloutConfig
 from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
 from tiderl.serving.pages import (
     EngineCounters,
+    PrefillRequest,
     PageAllocator,
     PoolExhaustedError,
     Prefix,
@@ -83,18 +84,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DecodeState", "Engine", "Prefix", "PrefillRequest", "ResultTokens", "StopReason",
            "PoolExhaustedError", "StaleKVError", "make_step"]
-
-
-@dataclasses.dataclass
-class PrefillRequest:
-    """One task's part of `prefill_many` (the arguments of `prefill`)."""
-
-    existing_prefix: Prefix | None
-    tokens: Any
-    true_length: int
-    task_id: int | None = None
-    temperature: float | None = None
-    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from typing import Any
+
 import numpy as np
 
 
@@ -240,6 +242,18 @@ class Prefix:
     @property
     def done(self) -> bool:
         return self.stop_reason != StopReason.NONE
+
+
+@dataclasses.dataclass
+class PrefillRequest:
+    """One task's part of `Engine.prefill_many` (the arguments of `prefill`)."""
+
+    existing_prefix: Prefix | None
+    tokens: Any
+    true_length: int
+    task_id: int | None = None
+    temperature: float | None = None
+    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tiderl.serving.pages import PoolExhaustedError, Prefix, StopReason
+from tiderl.serving.pages import PoolExhaustedError, PrefillRequest, Prefix, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,6 @@ class TurnResult:
     """Of those, served from resident KV (the KV hit)."""
     computed_tokens: int
     rank: int
-
-
-@dataclasses.dataclass
-class _PrefillRequest:
-    """Duck-typed `engine.PrefillRequest`: this module must not import the (JAX) engine."""
-
-    existing_prefix: Prefix | None
-    tokens: list[int]
-    true_length: int
-    task_id: int | None = None
-    temperature: float | None = None
-    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -327,7 +315,7 @@ class RolloutRank:
         eng = self.engine
         many = getattr(eng, "prefill_many", None)
         while batch:
-            reqs = [_PrefillRequest(self.tasks[tid].prefix, self.tasks[tid].pending or [],
+            reqs = [PrefillRequest(self.tasks[tid].prefix, self.tasks[tid].pending or [],
                                     len(self.tasks[tid].pending or []), task_id=tid,
                                     temperature=self.tasks[tid].temperature)
                     for tid in batch]
