@@ -55,3 +55,25 @@ def test_four_modes_run_the_same_job(mode, tmp_path):
             assert prev_end <= r["t_rollout_start"] <= r["t_rollout_end"] <= r["t_train_start"]
             prev_end = r["t_train_end"]
         assert sum(r["staleness_mean"] for r in steps) == 0
+
+
+def test_run_stops_with_a_clear_error_when_every_rollout_rank_fails(tmp_path):
+    import looptime
+
+    from tiderl.serving.rollout import RolloutFailedError
+    from tiderl.sim.fakes import SimEngine
+    from tiderl.sim.run import simulate
+
+    class Broken(SimEngine):
+        def prefill(self, *a, **k):
+            raise RuntimeError("injected device failure")
+
+    cfg = ControllerConfig(steps=2, groups_per_step=2, eval_every=0, console=False,
+                           checkpoint_every=0)
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        with pytest.raises(RolloutFailedError, match="every rollout rank failed"):
+            loop.run_until_complete(simulate(cfg, run_dir=str(tmp_path), engine_cls=Broken))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
 from tiderl.control.controller import NonFiniteStop
+from tiderl.serving.rollout import RolloutFailedError
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteStop as e:
+    except (NonFiniteStop, RolloutFailedError) as e:
         print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:

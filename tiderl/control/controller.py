@@ -103,6 +103,7 @@ class Controller:
         self._step_time = 0.0
         self._t0 = 0.0
         self._stop = False
+        self._fatal: BaseException | None = None
 
     # -- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -133,7 +134,13 @@ class Controller:
         t.add_done_callback(self._bg.discard)
 
     async def _run_group(self, group: dict) -> None:
-        trajs = await self.manager.run_group(group)
+        try:
+            trajs = await self.manager.run_group(group)
+        except Exception as e:  # no rollout rank left, or a bug: stop the run, loudly
+            self._fatal = self._fatal or e
+            self._ready.set()
+            self._changed.set()
+            raise
         self.in_flight.discard(group["group_id"])
         self.generated_tokens += sum(t.action_token_count for t in trajs)
         self.buffer.add_group(trajs, now=self.now())
@@ -180,7 +187,9 @@ class Controller:
                 return  # the stream ran out
             self._ready.clear()
             await self._ready.wait()
-        while self.in_flight:  # a step's rollout ends only when all its episodes have
+            if self._fatal is not None:
+                raise self._fatal
+        while self.in_flight and self._fatal is None:  # a step's rollout ends only when all its episodes have
             self._ready.clear()
             await self._ready.wait()
 
@@ -189,6 +198,8 @@ class Controller:
         """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
         t0 = self.now()
         while len(self.buffer) < n:
+            if self._fatal is not None:
+                raise self._fatal
             if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()

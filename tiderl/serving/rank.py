@@ -109,6 +109,7 @@ class RolloutRank:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"rank{rank_id}")
         self._state: Any = None
+        self._snap: dict[int, _Task] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -193,7 +194,7 @@ class RolloutRank:
         if self.failed is not None or self._runner is None or self._runner.done():
             return self._snapshot(self.tasks.pop(task_id), evict=False)
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._ops.append(("release", (task_id, done)))
+        self._ops.append(("release", (self.tasks.pop(task_id), done)))
         self._wake.set()
         return await done
 
@@ -246,8 +247,10 @@ class RolloutRank:
                     await self._wake.wait()
                     continue
                 t0 = time.perf_counter()
-                finished, replies = await loop.run_in_executor(self._pool, self._device_step,
-                                                               ops, ready)
+                # The worker sees a snapshot: the loop thread adds and removes tasks while a
+                # step runs, and only the loop thread mutates `self.tasks`.
+                finished, replies = await loop.run_in_executor(
+                    self._pool, self._device_step, ops, ready, dict(self.tasks))
                 self.stats.busy_s += time.perf_counter() - t0
                 for fut, value in replies:
                     if not fut.done():
@@ -271,19 +274,20 @@ class RolloutRank:
                     fut.set_exception(RankFailedError(f"rank {self.rank_id}: {e!r}"))
 
     # Everything below runs on the worker thread.
-    def _device_step(self, ops: list[tuple[str, Any]], ready: list[int]
+    def _device_step(self, ops: list[tuple[str, Any]], ready: list[int],
+                     tasks: dict[int, _Task]
                      ) -> tuple[list[tuple[int, TurnResult]], list[tuple[Any, Any]]]:
         eng = self.engine
+        self._snap = tasks
         replies: list[tuple[Any, Any]] = []
         for op, arg in ops:
             if op == "release":
-                tid, fut = arg
-                t = self.tasks.pop(tid, None)
-                replies.append((fut, (None, None) if t is None else self._snapshot(t, evict=True)))
+                t, fut = arg
+                replies.append((fut, self._snapshot(t, evict=True)))
             elif op == "free":
                 eng.free(arg)
             elif op == "evict":
-                p = getattr(self.tasks.get(arg), "prefix", None)
+                p = getattr(self._snap.get(arg), "prefix", None)
                 if p is not None and p.slot is not None and not p.decoding:
                     eng.evict(p)
                     self.stats.pause_evictions += 1
@@ -291,18 +295,18 @@ class RolloutRank:
                 params, version, _ = arg
                 eng.update_weights(params, version=version)
                 # Actions in flight continue after a fresh prefill of what was flushed.
-                for t in self.tasks.values():
+                for t in self._snap.values():
                     if t.decoding:
                         t.decoding = False
                         t.pending = t.pending or []
         finished: list[tuple[int, TurnResult]] = []
         batch = [tid for tid in ready
-                 if tid in self.tasks and self.tasks[tid].pending is not None]
+                 if tid in self._snap and self._snap[tid].pending is not None]
         for tid in self._prefill_batch(batch):
-            t = self.tasks[tid]
+            t = self._snap[tid]
             if t.prefix is not None and t.prefix.done:
                 finished.append((tid, self._result(t)))
-        if any(t.decoding for t in self.tasks.values()):
+        if any(t.decoding for t in self._snap.values()):
             finished += self._decode()
         return finished, replies
 
@@ -315,9 +319,9 @@ class RolloutRank:
         eng = self.engine
         many = getattr(eng, "prefill_many", None)
         while batch:
-            reqs = [PrefillRequest(self.tasks[tid].prefix, self.tasks[tid].pending or [],
-                                    len(self.tasks[tid].pending or []), task_id=tid,
-                                    temperature=self.tasks[tid].temperature)
+            reqs = [PrefillRequest(self._snap[tid].prefix, self._snap[tid].pending or [],
+                                    len(self._snap[tid].pending or []), task_id=tid,
+                                    temperature=self._snap[tid].temperature)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
             c0 = dataclasses.replace(eng.counters)
@@ -340,7 +344,7 @@ class RolloutRank:
             self.stats.recomputed_evicted += c1.recomputed_evicted - c0.recomputed_evicted
             self.stats.recomputed_version += c1.recomputed_version - c0.recomputed_version
             for tid, p, n0 in zip(batch, prefixes, n_before[:len(batch)], strict=True):
-                self._after_prefill(self.tasks[tid], p, n0)
+                self._after_prefill(self._snap[tid], p, n0)
             return batch
         return []
 
@@ -370,16 +374,16 @@ class RolloutRank:
             except PoolExhaustedError:
                 if not self._evict_lru(exclude=None):
                     # Only decoding tasks hold pages: preempt the one with least progress.
-                    victim = min((tid for tid, t in self.tasks.items() if t.decoding),
-                                 key=lambda tid: len(self.tasks[tid].prefix.action_tokens))
-                    v = self.tasks[victim]
+                    victim = min((tid for tid, t in self._snap.items() if t.decoding),
+                                 key=lambda tid: len(self._snap[tid].prefix.action_tokens))
+                    v = self._snap[victim]
                     eng.evict(v.prefix)
                     v.decoding, v.pending = False, []
                     self.stats.forced_evictions += 1
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(res.slots)
         out = []
-        by_slot = {t.prefix.slot: (tid, t) for tid, t in self.tasks.items()
+        by_slot = {t.prefix.slot: (tid, t) for tid, t in self._snap.items()
                    if t.decoding and t.prefix is not None}
         for slot in res.slots.tolist():
             tid, t = by_slot[slot]
@@ -392,13 +396,13 @@ class RolloutRank:
 
     def _evict_lru(self, *, exclude: set[int] | None) -> bool:
         """Evicts one idle task's KV: paused ones first (CTB parked them), then LRU."""
-        idle = [(not t.paused, t.last_used, tid) for tid, t in self.tasks.items()
+        idle = [(not t.paused, t.last_used, tid) for tid, t in self._snap.items()
                 if (exclude is None or tid not in exclude) and not t.decoding
                 and t.prefix is not None and t.prefix.slot is not None]
         if not idle:
             return False
         *_, tid = min(idle)
-        self.engine.evict(self.tasks[tid].prefix)
+        self.engine.evict(self._snap[tid].prefix)
         self.stats.forced_evictions += 1
         return True
 

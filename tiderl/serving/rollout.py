@@ -31,6 +31,10 @@ from tiderl.serving.rank import RankFailedError, RolloutRank, TurnResult
 log = logging.getLogger(__name__)
 
 
+class RolloutFailedError(RuntimeError):
+    """Every rollout rank has been quarantined: no task can run any more."""
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One finished task, token in / token out: exactly the ids the engine saw and produced."""
@@ -103,6 +107,7 @@ class RolloutManager:
         self.episodes: dict[str, _Episode] = {}
         self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
         self.end_reasons: dict[str, int] = {}
+        self.fatal: RolloutFailedError | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
     def kick(self) -> None:
@@ -136,6 +141,13 @@ class RolloutManager:
             ep.migrate_from, ep.rank = rank, None
             ep.wake.clear()
             self.ranks[rank].abort_turn(ep.num_id)
+        if not self.sched.live_ranks():
+            self.fatal = RolloutFailedError(
+                f"every rollout rank failed (the last was rank {rank}: "
+                f"{self.ranks[rank].failed!r}); see the log above for the first error")
+            for ep in self.episodes.values():
+                ep.wake.set()
+            return
         self.kick()
 
     # -- episodes -------------------------------------------------------------------------------
@@ -159,6 +171,8 @@ class RolloutManager:
         (/pause, /resume go through this coroutine, so they never race the session's own
         /observation calls)."""
         while True:
+            if self.fatal is not None:
+                raise self.fatal
             if ep.rank is not None and ep.task.state == "active":
                 if ep.env_paused:
                     ep.env_paused = False

@@ -28,9 +28,9 @@ from tiderl.train.dispatch import microbatches
 
 async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4,
                    env_step_s: float = 2.0, per_mb_s: float = 0.5, scheduler: str = "ctb",
-                   run_dir: str | None = None) -> dict[str, Any]:
+                   run_dir: str | None = None, engine_cls: type = SimEngine) -> dict[str, Any]:
     tmpl = template_for(ByteTokenizer(), "byte")
-    engines = [SimEngine(seed=7, stop_tokens=tuple(tmpl.stop_ids)) for _ in range(ranks)]
+    engines = [engine_cls(seed=7, stop_tokens=tuple(tmpl.stop_ids)) for _ in range(ranks)]
     rank_objs = [RolloutRank(i, e) for i, e in enumerate(engines)]
     for r in rank_objs:
         await r.start()
