@@ -61,10 +61,11 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.im_start_id = self._tok.token_to_id("<|im_start|>")
         self.im_end_id = self._tok.token_to_id("<|im_end|>")
-        self.eos_id = self._first("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>",
-                                  "<eos>") or self.im_end_id
+        eos = self._first("<|endoftext|>", "</s>", "<|end_of_text|>", "<|eot_id|>", "<eos>")
+        self.eos_id = eos if eos is not None else self.im_end_id  # id 0 is a valid id
         self.bos_id = self._first("<s>", "<|begin_of_text|>", "<bos>")
-        self.pad_id = self._first("<pad>", "<|endoftext|>") or self.eos_id
+        pad = self._first("<pad>", "<|endoftext|>")
+        self.pad_id = pad if pad is not None else self.eos_id
 
     def _first(self, *names: str) -> int | None:
         for n in names:
