@@ -134,8 +134,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
                 buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
-                start_step=start_step, pending=data_state.get("pending", []),
-                group_size=cfg.env.group_size)
+                start_step=start_step, pending=data_state.get("pending", []))
             summary = await controller.run()
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
     finally:

@@ -33,7 +33,7 @@ from tiderl.control.config import ControllerConfig
 from tiderl.control.ers import KeepSplit, Planner, Roles
 from tiderl.control.metrics import MetricsSink
 from tiderl.envs.tasks import TaskStream
-from tiderl.serving.rollout import RolloutManager, Trajectory
+from tiderl.serving.rollout import RolloutManager
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Controller:
                  hooks: Hooks, train_stream: TaskStream,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
                  planner: Planner | None = None, roles: Roles | None = None,
-                 start_step: int = 0, pending: Sequence[int] = (), group_size: int = 8):
+                 start_step: int = 0, pending: Sequence[int] = ()):
         self.cfg = cfg
         self.manager = manager
         self.trainer = trainer
@@ -82,7 +82,6 @@ class Controller:
         self.buffer = buffer
         self.planner = planner or KeepSplit()
         self.roles = roles or Roles(len(manager.ranks), 1, 0)
-        self.group_size = group_size
         self.step = start_step
         self._step0 = start_step
         self.version = trainer.version
@@ -405,6 +404,3 @@ def _mean_staleness(groups: Sequence[ReadyGroup], train_version: int) -> float:
     s = [train_version - g.min_version for g in groups if g.min_version >= 0]
     return sum(s) / len(s) if s else 0.0
 
-
-def trajectory_tokens(trajs: Sequence[Trajectory]) -> int:
-    return sum(t.action_token_count for t in trajs)

@@ -127,14 +127,10 @@ class SessionRequest:
                    request_id=_id(body, "request_id", required=False))
 
 
-@dataclasses.dataclass(frozen=True)
-class StartResult:
-    """Reply to /start, or why it failed (`reason` set, `session` empty)."""
+class _Outcome:
+    """A reply or why it failed: `reason` is set exactly when the call failed."""
 
-    session: str = ""
-    observation: str = ""
-    reason: EndReason | None = None
-    error: str = ""
+    reason: EndReason | None
 
     @property
     def ok(self) -> bool:
@@ -142,7 +138,17 @@ class StartResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepResult:
+class StartResult(_Outcome):
+    """Reply to /start, or why it failed (`reason` set, `session` empty)."""
+
+    session: str = ""
+    observation: str = ""
+    reason: EndReason | None = None
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult(_Outcome):
     """Reply to /observation, or why it failed (`reason` set, `done` true)."""
 
     observation: str = ""
@@ -152,13 +158,9 @@ class StepResult:
     reason: EndReason | None = None
     error: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
-
 
 @dataclasses.dataclass(frozen=True)
-class EndResult:
+class EndResult(_Outcome):
     """Reply to /end: the episode's final reward and the adapter's info, or why it failed."""
 
     reward: float = 0.0
@@ -166,22 +168,14 @@ class EndResult:
     reason: EndReason | None = None
     error: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
-
 
 @dataclasses.dataclass(frozen=True)
-class OpResult:
+class OpResult(_Outcome):
     """Reply to /pause, /resume (and /health): ok, or why not."""
 
     body: dict[str, Any] = dataclasses.field(default_factory=dict)
     reason: EndReason | None = None
     error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.reason is None
 
 
 __all__ = [

@@ -57,8 +57,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
             metrics=metrics,
             buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                    max_staleness=cfg.max_staleness,
-                                   min_ok_per_group=cfg.min_ok_per_group, zero_var="keep"),
-            group_size=group_size)
+                                   min_ok_per_group=cfg.min_ok_per_group, zero_var="keep"))
         summary = await controller.run()
         records = metrics.records
     for r in rank_objs:
