@@ -15,7 +15,7 @@ from tiderl.train.advantages import group_advantages
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.config import TrainerConfig
 from tiderl.train.dispatch import microbatches
-from tiderl.train.grpo import LossSpec, cotangent, kl_estimate, token_logprobs
+from tiderl.train.grpo import LossSpec, cotangent, kl_estimate, token_logprobs, token_outputs
 from tiderl.train.synthetic import synthetic_trajectories
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -76,12 +76,13 @@ def test_cotangent_by_hand():
     cot3, _ = cotangent(logp, ref, big, jnp.int32(0),
                         LossSpec(kl_coef=0.0, dual_clip=3.0, use_versions=False))
     assert float(cot3[0, 3]) == 0.0
-    # the entropy bonus adds c·log p on every action token (the score-function estimator)
-    cot4, m4 = cotangent(logp, ref, batch, jnp.int32(1),
-                         dataclasses.replace(spec, entropy_coef=0.1))
-    np.testing.assert_allclose(cot4 - cot, 0.1 * logp * batch["loss_mask_bt"], rtol=1e-5,
-                               atol=1e-7)
-    assert float(m4["entropy_sum"]) == 4.0
+    # the entropy bonus −c·H_t: cotangent −c on each action token's entropy, logprobs' unchanged
+    ent = jnp.array([[9.0, 1.0, 2.0, 0.5, 1.5]])
+    (cot4, cot4_ent), m4 = cotangent((logp, ent), ref, batch, jnp.int32(1),
+                                     dataclasses.replace(spec, entropy_coef=0.1))
+    np.testing.assert_allclose(cot4, cot, rtol=1e-6)
+    np.testing.assert_allclose(cot4_ent, -0.1 * batch["loss_mask_bt"], rtol=1e-6)
+    assert float(m4["entropy_sum"]) == 5.0
 
 
 def test_token_logprobs_shift_and_temperature():
@@ -91,6 +92,11 @@ def test_token_logprobs_shift_and_temperature():
     want = jax.nn.log_softmax(logits[0, :-1] / 0.7)[jnp.arange(3), tokens[0, 1:]]
     np.testing.assert_allclose(lp[0, 1:], want, rtol=1e-6)
     assert float(lp[0, 0]) == 0.0
+    lp2, ent = token_outputs(logits, tokens, 0.7)
+    np.testing.assert_allclose(lp2, lp, rtol=1e-6)
+    p = jax.nn.softmax(logits[0, :-1] / 0.7)
+    np.testing.assert_allclose(ent[0, 1:], -(p * jnp.log(p)).sum(-1), rtol=1e-5)
+    assert float(ent[0, 0]) == 0.0
 
 
 @pytest.fixture(scope="module")

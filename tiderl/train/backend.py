@@ -177,19 +177,20 @@ class TrainerBackend:
         self._ensure("ref")
         return self.k.ref_forward(self.ref_params, batch)
 
-    def actor_forward(self, batch: dict) -> tuple[jax.Array, Any]:
+    def actor_forward(self, batch: dict) -> tuple[tuple[jax.Array, jax.Array], Any]:
+        """((logprobs, entropies), vjp): the loss waits for the Ref logprobs (deferred)."""
         self._ensure("actor")
         return self.k.actor_forward(self.state["params"], batch)
 
-    def actor_backward(self, vjp: Any, logprobs: jax.Array, ref_logprobs: jax.Array,
+    def actor_backward(self, vjp: Any, outs: tuple[jax.Array, jax.Array], ref_logprobs: jax.Array,
                        batch: dict, mb: MicroBatch) -> dict:
-        """Cotangent from (logprobs, ref, behaviour, advantages, masks), `vjp`, accumulate."""
+        """Cotangent from (Actor outputs, ref, behaviour, advantages, masks), `vjp`, accumulate."""
         self._ensure("actor")
         if ref_logprobs.sharding != self.sh.tokens:
             ref_logprobs = jax.device_put(ref_logprobs, self.sh.tokens)
         if self._grads is None:
             self._grads = self.k.zeros_like_grads(self.state["params"])
-        self._grads, metrics = self.k.backward(vjp, logprobs, ref_logprobs, batch,
+        self._grads, metrics = self.k.backward(vjp, outs, ref_logprobs, batch,
                                                jnp.int32(self.version), self._grads)
         self._metrics.append(metrics)
         self._n_tokens += mb.n_action_tokens

@@ -13,6 +13,10 @@ Per action token t (ρ_t = exp(logp_t − behaviour_t)):
   instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style).
 - KL to the reference, `kl_coef · k(logp, ref)` with k1 = logp − ref, k2 = ½(logp − ref)²,
   k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's unbiased, non-negative estimator).
+- entropy bonus `−entropy_coef · H_t`, H_t the exact entropy of the full next-token
+  distribution at the sampling temperature (verl's `entropy_coeff`). The Actor forward returns
+  per-token (logprobs, entropies) and its vjp takes a cotangent for both, so the deferred
+  backward stays exact: ∂L/∂H_t = −entropy_coef · w_t.
 
 Aggregation keeps micro-batches exact under accumulation: each micro-batch contributes a *sum*
 `Σ_t w_t ℓ_t` (token_mean: w_t = mask_t; seq_mean: w_t = mask_t / action tokens of t's sequence)
@@ -23,7 +27,7 @@ sequences with an action). `group_advantages` (numpy) is re-exported from train/
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +37,7 @@ from tiderl.train.advantages import GroupAdvantages, group_advantages
 from tiderl.train.config import TrainerConfig
 
 __all__ = ["GroupAdvantages", "LossSpec", "cotangent", "group_advantages", "kl_estimate",
-           "loss_sum", "normalizer", "token_logprobs"]
+           "loss_sum", "normalizer", "token_logprobs", "token_outputs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,23 @@ def token_logprobs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T
     return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
+def token_outputs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"],
+                  temperature: float) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """(`token_logprobs`, entropy of the full distribution at t − 1 at temperature T); 0 at t = 0."""
+    logits = logits_btv[:, :-1].astype(jnp.float32) / jnp.float32(temperature)
+    logp_btv = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp_btv, tokens_bt[:, 1:, None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_btv) * logp_btv, axis=-1)
+    return jnp.pad(picked, ((0, 0), (1, 0))), jnp.pad(ent, ((0, 0), (1, 0)))
+
+
+def _split(outs) -> tuple[Array, Array | None]:
+    """Token outputs are logprobs alone or (logprobs, entropies) from the Actor forward."""
+    if isinstance(outs, tuple | list):
+        return outs[0], outs[1]
+    return outs, None
+
+
 def kl_estimate(logp_bt: Array, ref_bt: Array, estimator: str) -> Array:
     """Per-token KL(π‖π_ref) estimate from samples of π."""
     log_r = ref_bt - logp_bt
@@ -92,9 +113,14 @@ def _token_weights(batch: dict, agg: str) -> Array:
     return mask / jnp.maximum(count_bt, 1.0)
 
 
-def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: dict,
+def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
              version: Array, spec: LossSpec) -> tuple[Array, dict]:
-    """`Σ_t w_t ℓ_t` of one micro-batch and summed metrics (divide by the step normaliser)."""
+    """`Σ_t w_t ℓ_t` of one micro-batch and summed metrics (divide by the step normaliser).
+
+    `outs`: per-token logprobs, or (logprobs, entropies) as the Actor forward returns them; the
+    entropy bonus needs the entropies (it is skipped without them, and reported as 0).
+    """
+    logp_bt, ent_bt = _split(outs)
     mask = batch["loss_mask_bt"]
     adv = batch["advantages_bt"]
     behav = batch["behaviour_logprobs_bt"]
@@ -118,13 +144,9 @@ def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: d
     # 0 · inf = NaN gradients back from padding positions with extreme logprobs.
     kl = kl_estimate(jnp.where(on, logp_bt, 0.0), jnp.where(on, ref_bt, 0.0), spec.kl_estimator)
     per_tok = pg + spec.kl_coef * kl
-    # Entropy bonus from the sampled tokens alone (so it stays a function of the logprobs and
-    # fits the deferred backward): E[sg(log p)·∇log p] = −∇H, so adding c·sg(log p)·log p to
-    # the loss ascends the entropy. That term's value is not the entropy; the metric below
-    # reports the sampled-token estimate −log p.
-    ent_logp = jnp.where(on, logp_bt, 0.0)
+    ent = jnp.zeros_like(logp_bt) if ent_bt is None else jnp.where(on, ent_bt, 0.0)
     if spec.entropy_coef:
-        per_tok = per_tok + spec.entropy_coef * jax.lax.stop_gradient(ent_logp) * ent_logp
+        per_tok = per_tok - spec.entropy_coef * ent
     total = jnp.sum(jnp.where(w > 0, w * per_tok, 0.0))
     metrics = {
         "loss_sum": total,
@@ -134,16 +156,19 @@ def loss_sum(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: d
         "stale_tokens": jnp.sum(stale),
         "action_tokens": jnp.sum(mask),
         "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),
-        "entropy_sum": -jnp.sum(ent_logp),
+        "entropy_sum": jnp.sum(ent),
     }
     return total, metrics
 
 
-def cotangent(logp_bt: Float[Array, "B T"], ref_bt: Float[Array, "B T"], batch: dict,
-              version: Array, spec: LossSpec) -> tuple[Float[Array, "B T"], dict]:
-    """∂(Σ w ℓ)/∂logprobs: elementwise, so this is exactly what fused autodiff forms inside."""
+def cotangent(outs, ref_bt: Float[Array, "B T"], batch: dict,
+              version: Array, spec: LossSpec) -> tuple[Any, dict]:
+    """∂(Σ w ℓ)/∂outs, shaped like `outs` (logprobs, or the (logprobs, entropies) pair):
+    elementwise, so this is exactly what fused autodiff forms inside."""
+    if isinstance(outs, list):
+        outs = tuple(outs)
     grad_fn = jax.grad(loss_sum, has_aux=True)
-    return grad_fn(logp_bt, ref_bt, batch, version, spec)
+    return grad_fn(outs, ref_bt, batch, version, spec)
 
 
 def normalizer(n_action_tokens: int, n_seqs_with_actions: int, agg: str) -> float:

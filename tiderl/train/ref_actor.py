@@ -4,9 +4,10 @@ Everything here is a factory closing over static things (graphdef, temperature, 
 optimizer, shardings) and returning module-level-style jitted pure functions of pytrees:
 
 - `ref_forward(ref_params, batch) -> ref_logprobs_bt`
-- `actor_forward(params, batch) -> (logprobs_bt, vjp)`: the `jax.vjp` object is a pytree
-  (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
-- `backward(vjp, logprobs_bt, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
+- `actor_forward(params, batch) -> ((logprobs_bt, entropy_bt), vjp)`: the `jax.vjp` object is
+  a pytree (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
+  Its cotangent is a (logprobs, entropies) pair too (see grpo.py: the exact entropy bonus).
+- `backward(vjp, outs, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
   cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum.
   `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
 - `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
@@ -29,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl.models.sharding import optimizer_shardings, state_shardings
 from tiderl.train.config import TrainerConfig
-from tiderl.train.grpo import LossSpec, cotangent, loss_sum, token_logprobs
+from tiderl.train.grpo import LossSpec, cotangent, loss_sum, token_logprobs, token_outputs
 
 BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "loss_mask_bt",
               "behaviour_logprobs_bt", "advantages_bt", "versions_bt")
@@ -74,6 +75,18 @@ def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
         return token_logprobs(logits, batch["tokens_bt"], temperature)
 
     return logprobs
+
+
+def make_outputs(graphdef: nnx.GraphDef, temperature: float):
+    """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates."""
+    make_logprobs(graphdef, temperature)  # the same temperature check
+
+    def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, params)
+        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+        return token_outputs(logits, batch["tokens_bt"], temperature)
+
+    return outputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +137,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None) -> Kernels:
     """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate)."""
     logprobs = make_logprobs(graphdef, temperature)
+    outputs = make_outputs(graphdef, temperature)
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
@@ -148,13 +162,13 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
 
     def actor_fwd(params, batch):
         count("actor_forward")
-        return jax.vjp(lambda p: logprobs(p, batch), params)
+        return jax.vjp(lambda p: outputs(p, batch), params)
 
     actor_forward = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
 
-    def bwd(vjp, logp, ref_logp, batch, version, acc):
+    def bwd(vjp, outs, ref_logp, batch, version, acc):
         count("backward")
-        cot, metrics = cotangent(logp, ref_logp, batch, version, spec)
+        cot, metrics = cotangent(outs, ref_logp, batch, version, spec)
         (g,) = vjp(cot)
         return jax.tree.map(jnp.add, acc, g), metrics
 
@@ -193,7 +207,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         def total(p):
             out = 0.0
             for b, r in zip(batches, refs, strict=True):
-                out = out + loss_sum(logprobs(p, b), r, b, version, spec)[0]
+                out = out + loss_sum(outputs(p, b), r, b, version, spec)[0]
             return out
 
         return jax.grad(total)(params)
@@ -203,7 +217,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
     def fused_acc(params, batch, ref, version, acc):
         """The plain streaming step per micro-batch: `jax.grad` of the fused loss, accumulated."""
         count("fused_accumulate")
-        g, metrics = jax.grad(lambda p: loss_sum(logprobs(p, batch), ref, batch, version, spec),
+        g, metrics = jax.grad(lambda p: loss_sum(outputs(p, batch), ref, batch, version, spec),
                               has_aux=True)(params)
         return jax.tree.map(jnp.add, acc, g), metrics
 
