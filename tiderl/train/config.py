@@ -44,8 +44,9 @@ class TrainerConfig:
     """Stale tokens (version < trainer version) use truncated IS weights min(ratio, is_cap)."""
     kl_coef: float = 0.001
     entropy_coef: float = 0.0
-    """Entropy bonus (sampled-token score-function estimator); 0.03–0.1 keeps a policy trained
-    from scratch exploring once most GRPO groups stop varying."""
+    """Entropy bonus −c·H_t, H_t the exact entropy of the full next-token distribution at each
+    action token (verl's entropy_coeff); 0.03–0.1 keeps a policy trained from scratch exploring
+    once most GRPO groups stop varying."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
