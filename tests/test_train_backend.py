@@ -102,6 +102,28 @@ def test_alternation_vs_aggregation_swaps(policy, meshes):
     assert _max_diff(out["VSO"][1], out["CM"][1]) <= PARAM_ATOL
 
 
+def test_no_kl_term_skips_the_ref(policy, meshes):
+    """kl_coef = 0: no Ref forward runs (none traced, no Ref phase or swap) and the update equals
+    the fused step's, whose loss has no KL term either."""
+    actor, ref = meshes
+    mbs = _mbs()
+    cfg = dataclasses.replace(CFG, kl_coef=0.0, offload="always")
+    fused = TrainerBackend(cfg, TINY, actor_mesh=actor, policy=policy)
+    fused.version = 1
+    fused.fused_step(mbs)
+    for ref_mesh in (None, ref):
+        be = TrainerBackend(cfg, TINY, actor_mesh=actor, ref_mesh=ref_mesh, policy=policy)
+        be.version = 1
+        traced = be.k.traces.get("ref_forward", 0)
+        m = be.train_step(mbs)
+        assert be.k.traces.get("ref_forward", 0) == traced == 0
+        # offload: the idle Ref moves to host once and stays there (with a KL term: 3 swaps)
+        assert m["kl"] == 0.0 and m["swaps"] <= 1 and m["alternations"] <= 1
+        assert _max_diff(be.state["params"], fused.state["params"]) <= PARAM_ATOL
+        be.close()
+    fused.close()
+
+
 def test_async_submit_and_compile_once(policy, meshes):
     actor, ref = meshes
     be = TrainerBackend(CFG, TINY, actor_mesh=actor, ref_mesh=ref, policy=policy)

@@ -21,6 +21,10 @@ Modes:
   `pinned_host` memory and each phase change moves both models. `aggregate=False` is the
   vanilla-streaming baseline (alternate per micro-batch: VS, or VSO with offload).
 
+With `trainer.kl_coef = 0` the loss has no KL term, so the Ref forward is skipped altogether
+(a zero placeholder stands for its logprobs; no Ref phase, alternation or swap is counted), as
+verl does without a KL loss.
+
 `advise_mode(ready_times)` runs the RA2P cost model (train/ra2p.py) on measured phase times;
 `set_ref_mesh(mesh | None)` switches mode between steps (ERS decides; the Ref params move with
 `jax.device_put`). Metrics of `finish_step` carry per-phase times (wait, ref, actor_fwd,
@@ -173,7 +177,15 @@ class TrainerBackend:
                              f"{n} data-parallel shards; pack with n_ranks={n}")
         return jax.device_put(mb.arrays(), batch_sharding(mesh))
 
+    @property
+    def uses_ref(self) -> bool:
+        """Whether the loss needs Ref logprobs (a KL term)."""
+        return self.spec.kl_coef != 0
+
     def ref_forward(self, batch: dict) -> jax.Array:
+        """Ref logprobs of `batch`; zeros (no forward) when the loss has no KL term."""
+        if not self.uses_ref:
+            return jnp.zeros_like(batch["loss_mask_bt"])
         self._ensure("ref")
         return self.k.ref_forward(self.ref_params, batch)
 
@@ -286,8 +298,7 @@ class TrainerBackend:
         t0 = time.perf_counter()
         metrics = []
         for mb in mbs:
-            self._ensure("ref")
-            ref = self.k.ref_forward(self.ref_params, self.put(mb, "ref"))
+            ref = self.ref_forward(self.put(mb, "ref" if self.uses_ref else "actor"))
             self._ensure("actor")
             if self._grads is None:
                 self._grads = self.k.zeros_like_grads(self.state["params"])
@@ -404,7 +415,8 @@ class TrainerBackend:
         sync = self.cfg.sync_timings
         if self.mode == "decoupled":
             for mb in group:
-                b_ref, b_act = self.put(mb, "ref"), self.put(mb, "actor")
+                b_act = self.put(mb, "actor")
+                b_ref = self.put(mb, "ref") if self.uses_ref else b_act
                 ref = self._timed("ref", self.ref_forward, b_ref, block=sync)
                 lp, vjp = self._timed("actor_fwd", self.actor_forward, b_act, block=sync)
                 self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b_act, mb, block=sync)
@@ -412,7 +424,6 @@ class TrainerBackend:
         # Colocated: Ref over the whole ready group, then Actor over it. The phases share the
         # devices, so blocking at phase ends costs nothing and gives exact phase times.
         batches = [self.put(mb, "actor") for mb in group]  # one transfer serves both models
-        self._ensure("ref")
         t0 = time.perf_counter()
         refs = jax.block_until_ready([self.ref_forward(b) for b in batches])
         self._times["ref"] += time.perf_counter() - t0

@@ -13,6 +13,7 @@ Per action token t (ρ_t = exp(logp_t − behaviour_t)):
   instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style).
 - KL to the reference, `kl_coef · k(logp, ref)` with k1 = logp − ref, k2 = ½(logp − ref)²,
   k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's unbiased, non-negative estimator).
+  With kl_coef = 0 there is no KL term (and no Ref forward: verl's use_kl_loss=False).
 - entropy bonus `−entropy_coef · H_t`, H_t the exact entropy of the full next-token
   distribution at the sampling temperature (verl's `entropy_coeff`). The Actor forward returns
   per-token (logprobs, entropies) and its vjp takes a cotangent for both, so the deferred
@@ -142,8 +143,12 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
     on = mask > 0
     # Off-mask inputs are zeroed *before* the nonlinearity: a `where` after it would still send
     # 0 · inf = NaN gradients back from padding positions with extreme logprobs.
-    kl = kl_estimate(jnp.where(on, logp_bt, 0.0), jnp.where(on, ref_bt, 0.0), spec.kl_estimator)
-    per_tok = pg + spec.kl_coef * kl
+    if spec.kl_coef:
+        kl = kl_estimate(jnp.where(on, logp_bt, 0.0), jnp.where(on, ref_bt, 0.0),
+                         spec.kl_estimator)
+        per_tok = pg + spec.kl_coef * kl
+    else:  # no KL term: the Ref is not run (backend) and `ref_bt` is a placeholder
+        kl, per_tok = jnp.zeros_like(pg), pg
     ent = jnp.zeros_like(logp_bt) if ent_bt is None else jnp.where(on, ent_bt, 0.0)
     if spec.entropy_coef:
         per_tok = per_tok - spec.entropy_coef * ent
