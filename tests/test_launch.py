@@ -36,3 +36,22 @@ def test_bad_config_is_one_line_error(args, key):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], r.stderr
+
+
+def test_new_run_sets_the_previous_one_aside(tmp_path):
+    """A fresh run in a folder holding a run moves that run to `<dir>.<k>`; nothing is lost."""
+    from tiderl.job import set_aside_previous_run
+
+    run = tmp_path / "default"
+    assert set_aside_previous_run(run) is None  # nothing there yet
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    assert set_aside_previous_run(run) is None  # a config alone is not a run
+    (run / "metrics.jsonl").write_text('{"kind": "step"}\n')
+    (run / "checkpoints" / "100").mkdir(parents=True)
+    assert set_aside_previous_run(run) == tmp_path / "default.1" and not run.exists()
+    run.mkdir()
+    (run / "checkpoints").mkdir()
+    assert set_aside_previous_run(run) == tmp_path / "default.2"
+    assert (tmp_path / "default.1" / "metrics.jsonl").read_text() == '{"kind": "step"}\n'
+    assert (tmp_path / "default.1" / "checkpoints" / "100").is_dir()

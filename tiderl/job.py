@@ -60,11 +60,27 @@ class MicroBatcher:
         return mbs
 
 
+def set_aside_previous_run(run_dir: Path) -> Path | None:
+    """A new run (not `--resume`) in a folder that holds one: the old run moves to
+    `<run_dir>.<k>` (first free k) instead of mixing metrics and checkpoints. Returns where."""
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        return None
+    k = 1
+    while run_dir.with_name(f"{run_dir.name}.{k}").exists():
+        k += 1
+    dest = run_dir.rename(run_dir.with_name(f"{run_dir.name}.{k}"))
+    log.warning("%s held a previous run: moved it to %s (to continue a run, pass --resume %s)",
+                run_dir, dest, run_dir)
+    return dest
+
+
 async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
     """Runs the configured job to the end; returns the final summary."""
     from tiderl.launch import build
 
     run_dir = Path(cfg.run_dir)
+    if not resume:
+        set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     devices, plan, meshes, graphdef, params = build(cfg)
