@@ -77,14 +77,18 @@ def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
     return logprobs
 
 
-def make_outputs(graphdef: nnx.GraphDef, temperature: float):
-    """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates."""
+def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True):
+    """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates.
+
+    Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
+    `stop_gradient` they add no B×T×V residual to the saved vjp."""
     make_logprobs(graphdef, temperature)  # the same temperature check
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
         logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
-        return token_outputs(logits, batch["tokens_bt"], temperature)
+        logp, ent = token_outputs(logits, batch["tokens_bt"], temperature)
+        return logp, ent if entropy_grad else jax.lax.stop_gradient(ent)
 
     return outputs
 
@@ -137,7 +141,7 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None) -> Kernels:
     """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate)."""
     logprobs = make_logprobs(graphdef, temperature)
-    outputs = make_outputs(graphdef, temperature)
+    outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef))
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
