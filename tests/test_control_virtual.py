@@ -77,3 +77,31 @@ def test_run_stops_with_a_clear_error_when_every_rollout_rank_fails(tmp_path):
     finally:
         loop.close()
         asyncio.set_event_loop(None)
+
+
+def test_time_limit_ends_a_run_whose_groups_never_become_trainable(tmp_path):
+    """Every group has zero reward variance and is dropped, so no step can form: the run still
+    ends at its time limit (virtual seconds) instead of waiting forever."""
+    import dataclasses
+
+    import looptime
+
+    from tiderl.sim.fakes import SimGuessEnv
+    from tiderl.sim.run import simulate
+
+    class Flat(SimGuessEnv):
+        async def end(self, session):
+            return dataclasses.replace(await super().end(session), reward=0.0)
+
+    cfg = ControllerConfig(steps=5, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
+                           console=False, checkpoint_every=0, time_limit_s=60.0)
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        out = loop.run_until_complete(simulate(cfg, run_dir=str(tmp_path), env=Flat(step_s=2.0),
+                                               zero_var="drop"))
+        ended = loop.time()
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    assert out["trainer_steps"] == 0 and not [r for r in out["records"] if r["kind"] == "step"]
+    assert 60.0 <= ended < 61.0

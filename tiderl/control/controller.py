@@ -50,6 +50,10 @@ class TrainerPort(Protocol):
     def export_weights(self) -> Any: ...
 
 
+class _TimeUp(Exception):
+    """The run's time limit passed while it waited for data."""
+
+
 class NonFiniteStop(RuntimeError):
     """Too many consecutive non-finite updates; the run stopped with a checkpoint."""
 
@@ -185,12 +189,26 @@ class Controller:
             if not self.in_flight:
                 return  # the stream ran out
             self._ready.clear()
-            await self._ready.wait()
+            await self._wait(self._ready)
             if self._fatal is not None:
                 raise self._fatal
         while self.in_flight and self._fatal is None:  # a step's rollout ends only when all its episodes have
             self._ready.clear()
-            await self._ready.wait()
+            await self._wait(self._ready)
+
+    async def _wait(self, event: asyncio.Event) -> None:
+        """`event.wait()`, bounded by the run's time limit (raises `_TimeUp`): a run whose
+        groups stop becoming trainable (say, all zero variance) still ends on time."""
+        if not self.cfg.time_limit_s:
+            await event.wait()
+            return
+        left = self._t0 + self.cfg.time_limit_s - self.now()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(event.wait(), left)
+        except TimeoutError:
+            raise _TimeUp from None
 
     # -- training side ---------------------------------------------------------------------------
     async def _wait_ready(self, n: int) -> float:
@@ -202,7 +220,7 @@ class Controller:
             if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()
-            await self._ready.wait()
+            await self._wait(self._ready)
         return self.now() - t0
 
     async def _train_step(self) -> dict:
@@ -221,7 +239,12 @@ class Controller:
             want = min(need, c.groups_per_microbatch) if streaming else need
             if len(taken) >= b_min and len(self.buffer) == 0:
                 break  # elastic batch: B_min reached and nothing more is ready
-            waited = await self._wait_ready(want)
+            try:
+                waited = await self._wait_ready(want)
+            except _TimeUp:
+                if not submitted:
+                    raise
+                break  # out of time mid-step: train on what was submitted (elastic batch)
             if submitted == 0:
                 twt += waited
             groups = self.buffer.take(want, train_version=self.version)
@@ -237,6 +260,9 @@ class Controller:
             for mb in self.hooks.make_microbatches(seqs, final):
                 self.trainer.submit(mb)
                 submitted += 1
+        for mb in self.hooks.make_microbatches([], True):  # after an early end: the remainder
+            self.trainer.submit(mb)
+            submitted += 1
         if not submitted:
             raise RuntimeError("no trainable data: every group failed, was stale or had zero "
                                "reward variance; check the env server and controller settings")
@@ -305,11 +331,16 @@ class Controller:
                     log.info("time limit reached after %d steps", self.step)
                     break
                 t_roll = self.now()
-                if c.mode == "sync":
-                    await self._sync_rollout()
-                rollout_s = self.now() - t_roll
-                self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
-                out = await self._train_step()
+                try:
+                    if c.mode == "sync":
+                        await self._sync_rollout()
+                    rollout_s = self.now() - t_roll
+                    self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
+                    out = await self._train_step()
+                except _TimeUp:
+                    log.warning("time limit reached after %d steps while waiting for trainable "
+                                "data (dropped so far: %s)", self.step, self.buffer.dropped)
+                    break
                 out["t_train"] = (self._t_train_start, self.now())
                 self.step += 1
                 self.version = self.trainer.version

@@ -28,7 +28,8 @@ from tiderl.train.dispatch import microbatches
 
 async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4,
                    env_step_s: float = 2.0, per_mb_s: float = 0.5, scheduler: str = "ctb",
-                   run_dir: str | None = None, engine_cls: type = SimEngine) -> dict[str, Any]:
+                   run_dir: str | None = None, engine_cls: type = SimEngine,
+                   env: SimGuessEnv | None = None, zero_var: str = "keep") -> dict[str, Any]:
     tmpl = template_for(ByteTokenizer(), "byte")
     engines = [engine_cls(seed=7, stop_tokens=tuple(tmpl.stop_ids)) for _ in range(ranks)]
     rank_objs = [RolloutRank(i, e) for i, e in enumerate(engines)]
@@ -36,7 +37,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
         await r.start()
     sched = make_scheduler(scheduler, CTBConfig(action_reserve=1), [4096] * ranks,
                            max_context=512, max_tasks_per_rank=64)
-    env = SimGuessEnv(step_s=env_step_s)
+    env = env or SimGuessEnv(step_s=env_step_s)
     trainer = SimTrainer(per_mb_s=per_mb_s)
 
     async def sync_weights(weights: Any, version: int) -> None:
@@ -57,7 +58,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
             metrics=metrics,
             buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                    max_staleness=cfg.max_staleness,
-                                   min_ok_per_group=cfg.min_ok_per_group, zero_var="keep"))
+                                   min_ok_per_group=cfg.min_ok_per_group, zero_var=zero_var))
         summary = await controller.run()
         records = metrics.records
     for r in rank_objs:
