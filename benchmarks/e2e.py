@@ -35,6 +35,9 @@ def job_overrides(mode: str, steps: int, run_dir: str) -> list[str]:
         "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
         "controller.eval_every=100000", "controller.eval_groups=64", "controller.console=false",
         "controller.checkpoint_every=0",
+        # The paper's GRPO pipeline has a Reference phase (KL to the initial policy); the
+        # embedded default has no KL term and therefore no Ref forward at all.
+        "trainer.kl_coef=0.001",
         # Heavy-tailed environment: Pareto delays (scale 20 ms, alpha 1.5: a long tail of
         # multi-second steps), as slow web/household environments show.
         "env.latency.dist=pareto", "env.latency.scale_s=0.02", "env.latency.alpha=1.5",
