@@ -105,3 +105,23 @@ def test_time_limit_ends_a_run_whose_groups_never_become_trainable(tmp_path):
         asyncio.set_event_loop(None)
     assert out["trainer_steps"] == 0 and not [r for r in out["records"] if r["kind"] == "step"]
     assert 60.0 <= ended < 61.0
+
+
+def test_a_run_ended_by_its_time_limit_checkpoints_its_last_step(tmp_path):
+    import looptime
+
+    from tiderl.sim.run import simulate
+
+    saved = []
+    cfg = ControllerConfig(steps=1000, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
+                           console=False, checkpoint_every=5, time_limit_s=60.0)
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        out = loop.run_until_complete(simulate(
+            cfg, run_dir=str(tmp_path), checkpoint=lambda step, state: saved.append(step)))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    n = out["trainer_steps"]
+    assert 5 < n < 1000 and n % 5  # a run that ended between two periodic checkpoints
+    assert saved == [*range(5, n, 5), n]

@@ -325,6 +325,7 @@ class Controller:
             self._producer = asyncio.create_task(self._produce(), name="producer")
         if c.eval_every:
             self._launch_eval()
+        saved = self.step
         try:
             while self.step < c.steps and not self._stop:
                 if c.time_limit_s and self.now() - self._t0 > c.time_limit_s:
@@ -358,6 +359,7 @@ class Controller:
                 if self.hooks.checkpoint is not None and c.checkpoint_every and (
                         self.step % c.checkpoint_every == 0 or self.step == c.steps):
                     self.hooks.checkpoint(self.step, self.data_state())
+                    saved = self.step
                 if self.nonfinite >= c.max_nonfinite_steps:
                     if self.hooks.checkpoint is not None:
                         self.hooks.checkpoint(self.step, self.data_state())
@@ -373,6 +375,9 @@ class Controller:
             if self._producer is not None:
                 self._producer.cancel()
                 await asyncio.gather(self._producer, return_exceptions=True)
+        if self.hooks.checkpoint is not None and c.checkpoint_every and self.step > saved:
+            # Ended early (time limit, stream exhausted): the last weights are saved too.
+            self.hooks.checkpoint(self.step, self.data_state())
         # A final evaluation of the last weights, then let in-flight rollouts finish or go.
         await self._await_eval()
         if c.eval_every:

@@ -29,7 +29,8 @@ from tiderl.train.dispatch import microbatches
 async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4,
                    env_step_s: float = 2.0, per_mb_s: float = 0.5, scheduler: str = "ctb",
                    run_dir: str | None = None, engine_cls: type = SimEngine,
-                   env: SimGuessEnv | None = None, zero_var: str = "keep") -> dict[str, Any]:
+                   env: SimGuessEnv | None = None, zero_var: str = "keep",
+                   checkpoint: Any = None) -> dict[str, Any]:
     tmpl = template_for(ByteTokenizer(), "byte")
     engines = [engine_cls(seed=7, stop_tokens=tuple(tmpl.stop_ids)) for _ in range(ranks)]
     rank_objs = [RolloutRank(i, e) for i, e in enumerate(engines)]
@@ -53,7 +54,8 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
         metrics = MetricsSink(run_dir or tmp, console=False)
         controller = Controller(
             cfg, manager=manager, trainer=trainer,
-            hooks=Hooks(sync_weights=sync_weights, make_microbatches=make_mbs),
+            hooks=Hooks(sync_weights=sync_weights, make_microbatches=make_mbs,
+                        checkpoint=checkpoint),
             train_stream=TaskStream(src), eval_groups=[eval_src.element(k) for k in range(4)],
             metrics=metrics,
             buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
