@@ -242,9 +242,9 @@ class Controller:
             try:
                 waited = await self._wait_ready(want)
             except _TimeUp:
-                if not submitted:
+                if not taken:
                     raise
-                break  # out of time mid-step: train on what was submitted (elastic batch)
+                break  # out of time mid-step: train on the groups taken so far (elastic batch)
             if submitted == 0:
                 twt += waited
             groups = self.buffer.take(want, train_version=self.version)
