@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 
 import pytest
 from aiohttp import web
@@ -18,7 +17,8 @@ pytestmark = pytest.mark.asyncio
 
 CFG = EnvConfig(retries=2, backoff_s=0.01, backoff_max_s=0.05, connect_timeout_s=0.5,
                 request_timeout_s=0.3, call_deadline_s=5.0)
-# "Never hangs": each call must return within its deadline; the slack covers a loaded CI box.
+# "Never hangs": a guard that fails the test if a call outlives its deadline by this much
+# (generous for a loaded CI box); the assertions themselves count attempts, not seconds.
 SLACK_S = 3.0
 
 
@@ -36,10 +36,8 @@ async def app_serving(app: web.Application):
 
 
 async def bounded(call, cfg: EnvConfig = CFG):
-    """Runs `call`, failing the test if it outlives the client's call deadline."""
-    t0 = time.monotonic()
-    result = await asyncio.wait_for(call, cfg.call_deadline_s + SLACK_S)
-    return result, time.monotonic() - t0
+    """Runs `call`, failing the test (TimeoutError) if it hangs past the client's deadline."""
+    return await asyncio.wait_for(call, cfg.call_deadline_s + SLACK_S)
 
 
 def free_port() -> int:
@@ -50,12 +48,11 @@ def free_port() -> int:
 
 async def test_dead_server_gives_env_error_after_bounded_retries():
     async with EnvClient(f"http://127.0.0.1:{free_port()}", CFG) as env:
-        (r, elapsed) = await bounded(env.start({"seed": 0}))
+        r = await bounded(env.start({"seed": 0}))
         assert r.reason == EndReason.env_error and "/start" in r.error
         assert env.attempts == CFG.retries + 1
-        (s, _) = await bounded(env.step("abc", "1"))
+        s = await bounded(env.step("abc", "1"))
         assert s.done and s.reason == EndReason.env_error
-    assert elapsed <= CFG.call_deadline_s + SLACK_S
 
 
 async def test_503_server_is_retried_then_env_error():
@@ -68,7 +65,7 @@ async def test_503_server_is_retried_then_env_error():
     app = web.Application()
     app.router.add_post("/observation", unavailable)
     async with app_serving(app) as url, EnvClient(url, CFG) as env:
-        (r, _) = await bounded(env.step("s", "1"))
+        r = await bounded(env.step("s", "1"))
     assert r.reason == EndReason.env_error and "503" in r.error and "overloaded" in r.error
     assert len(hits) == CFG.retries + 1
     # Every retry carries the same idempotency key, so a server applies the step at most once.
@@ -87,15 +84,17 @@ async def test_silent_server_gives_timeout_within_the_deadline():
     port = server.sockets[0].getsockname()[1]
     try:
         async with EnvClient(f"http://127.0.0.1:{port}", CFG) as env:
-            (r, elapsed) = await bounded(env.end("s"))
+            r = await bounded(env.end("s"))
             assert r.reason == EndReason.timeout and "no reply" in r.error
             assert env.attempts == CFG.retries + 1
-            # A deadline shorter than the retries would need cuts them off.
+            # A deadline shorter than the retries would need cuts them off: each attempt waits
+            # out its 0.3 s request timeout, so a 1 s deadline leaves room for at most 4 of 51.
             env.cfg = EnvConfig(retries=50, backoff_s=0.01, request_timeout_s=0.3,
                                 call_deadline_s=1.0)
-            (r, elapsed) = await bounded(env.start({}), env.cfg)
+            before = env.attempts
+            r = await bounded(env.start({}), env.cfg)
             assert r.reason == EndReason.timeout
-            assert elapsed <= env.cfg.call_deadline_s + SLACK_S
+            assert 1 <= env.attempts - before <= 4
     finally:
         for w in accepted:
             w.close()
@@ -114,7 +113,7 @@ async def test_429_with_retry_after_is_retried_to_success():
     app = web.Application()
     app.router.add_post("/start", busy_then_ok)
     async with app_serving(app) as url, EnvClient(url, CFG) as env:
-        (r, _) = await bounded(env.start({}))
+        r = await bounded(env.start({}))
     assert r.ok and (r.session, r.observation) == ("s1", "hi") and len(calls) == 3
 
 

@@ -8,6 +8,7 @@ key and the fix, before any work starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -65,7 +66,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise _type_error(value, tp, key)
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if tp is Any:
         return value
     if tp is type(None):
@@ -93,10 +94,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         if isinstance(value, str):
             # YAML 1.1 reads "1e-5" (no dot) as a string; accept what float() accepts.
-            try:
+            with contextlib.suppress(ValueError):
                 return float(value)
-            except ValueError:
-                pass
         raise _type_error(value, tp, key)
     if tp is str:
         if isinstance(value, str):

@@ -57,6 +57,11 @@ class RolloutConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'rollout.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
+        if self.devices_per_rank != 1:
+            raise ConfigError(
+                f"config key 'rollout.devices_per_rank'={self.devices_per_rank}: a rollout rank "
+                "on several devices (sharded KV pools) is not supported yet; set it to 1 and "
+                "raise rollout.ranks for more rollout devices")
         if self.temperature < 0:
             raise ConfigError("config key 'rollout.temperature' must be >= 0 (0 is greedy)")
         _check_buckets("decode_buckets", self.decode_buckets)

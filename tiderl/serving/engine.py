@@ -150,10 +150,9 @@ class Engine:
         self._param_spec = _spec(params)
         devices = {d for x in jax.tree_util.tree_leaves(params) for d in x.devices()}
         if len(devices) != 1:
-            raise NotImplementedError(
-                f"Engine params span {len(devices)} devices; a rank with "
-                "rollout.devices_per_rank > 1 (sharded KV pools) is not implemented yet; "
-                "set rollout.devices_per_rank=1")
+            raise ValueError(
+                f"Engine params span {len(devices)} devices; an engine serves one device: "
+                "place them with jax.device_put(params, device) (rollout.devices_per_rank=1)")
         self.device = devices.pop()
         on_gpu = self.device.platform == "gpu"
         self.attention = cfg.attention if cfg.attention != "auto" else (
