@@ -31,13 +31,9 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     if evals:
         ax.plot([e["step"] for e in evals], [e["eval_success"] for e in evals], "o-",
                 label="held-out success")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward / success")
     ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("Reward and evaluation")
-    paths.append(_save(fig, out / "reward.png"))
+    paths.append(_save(fig, ax, out / "reward.png", "step", "reward / success",
+                       "Reward and evaluation"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [r["step"] for r in steps]
@@ -45,27 +41,24 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.bar(xs, [r["twt_s"] for r in steps], bottom=[r["rwt_s"] for r in steps],
            label="TWT (trainer idle)", alpha=0.7)
     ax.plot(xs, [r["step_time_s"] for r in steps], "k.-", label="step time")
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("Wait times per step")
-    paths.append(_save(fig, out / "waits.png"))
+    paths.append(_save(fig, ax, out / "waits.png", "step", "seconds", "Wait times per step"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["wall_s"] for r in steps], [r["goodput"] for r in steps], label="goodput")
     ax.plot([r["wall_s"] for r in steps], [r["gen_throughput"] for r in steps],
             label="generation throughput")
-    ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("tokens / s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("Goodput (tokens consumed by updates per second)")
-    paths.append(_save(fig, out / "goodput.png"))
+    paths.append(_save(fig, ax, out / "goodput.png", "wall time (s)", "tokens / s",
+                       "Goodput (tokens consumed by updates per second)"))
     return paths
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """Labels, grid, legend and title of a one-axes figure; writes and closes it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt

@@ -63,11 +63,15 @@ def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
-    """params, batch -> per-token logprobs at the engine's temperature (fp32)."""
+def _check_temperature(temperature: float) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: training logprobs need T > 0; greedy "
                          "rollouts (rollout.temperature=0) cannot be trained with GRPO")
+
+
+def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
+    """params, batch -> per-token logprobs at the engine's temperature (fp32)."""
+    _check_temperature(temperature)
 
     def logprobs(params: nnx.State, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, params)
@@ -82,7 +86,7 @@ def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool 
 
     Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
     `stop_gradient` they add no B×T×V residual to the saved vjp."""
-    make_logprobs(graphdef, temperature)  # the same temperature check
+    _check_temperature(temperature)
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
