@@ -144,8 +144,9 @@ async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
     rank.pause(7)
     r2 = await rank.turn(7, tok.encode(" again"))
     assert r1.cached_tokens == 0 and r2.cached_tokens >= len("hello there")
-    moved, unfed = await rank.release(7)
-    assert moved is not None and moved.slot is None and unfed is None
+    h = await rank.release(7)
+    moved = h.prefix
+    assert moved is not None and moved.slot is None and h.unfed is None and h.result is None
     with pytest.raises(ValueError, match="has ended"):
         rank.turn(7, [], moved)  # a finished action needs the next observation
     n = len(moved.tokens)

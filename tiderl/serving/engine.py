@@ -253,13 +253,12 @@ class Engine:
                 raise ValueError(f"task {h.task_id} appears twice in one prefill_many")
             handles.append(h)
             news.append(new)
-        for r, h in zip(requests, handles, strict=True):
-            if r.temperature is not None:
-                h.temperature = r.temperature
-            if r.max_action_tokens is not None:
-                h.max_action_tokens = r.max_action_tokens
-        rows = []  # (handle, new tokens, start, end) of the tasks that will compute
-        for h, new in zip(handles, news, strict=True):
+        temps = [h.temperature if r.temperature is None else r.temperature
+                 for r, h in zip(requests, handles, strict=True)]
+        caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
+                for r, h in zip(requests, handles, strict=True)]
+        rows = []  # (handle, new tokens, start, end, temperature, action cap) of computing tasks
+        for h, new, temp, cap in zip(handles, news, temps, caps, strict=True):
             end = len(h.tokens) + len(new)
             if end + 1 > self.cfg.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
@@ -267,38 +266,45 @@ class Engine:
             if h.slot is not None and h.kv_length and h.version != self.version:
                 self._drop_kv(h, "version")  # stale KV is never attended
             # Nothing missing (a forked sibling): recompute the last token to get its logits.
-            rows.append((h, new, min(h.kv_length, end - 1), end))
+            rows.append((h, new, min(h.kv_length, end - 1), end, temp, cap))
         self._check_capacity(rows)
+        # Pages and slots are taken here, but a handle's contents (tokens, action, logprobs)
+        # change only after the device calls succeed: if one raises, every handle is as it was
+        # and its task can migrate to another rank with exactly its unfed tokens.
         copies = []
-        for h, new, start, end in rows:
+        for h, _, start, end, *_ in rows:
             if h.slot is None:
                 h.slot = self.pages.open()
             copies += self.pages.reserve(h.slot, start, end)
             st.slots[h.slot] = h
-            h.tokens.extend(new)
-            if new:
-                h.action_start, h.logprobs, h.versions = end, [], []
-                h.stop_reason = StopReason.NONE
-            self._count_compute(h, start, end)
         self._apply_copies(copies)
-        pos = {id(h): start for h, _, start, _ in rows}
+        full = {id(h): h.tokens + new for h, new, *_ in rows}
+        temp_of = {id(h): temp for h, _, _, _, temp, _ in rows}
+        pos = {id(h): start for h, _, start, *_ in rows}
         results: dict[int, tuple] = {}
         chunk = self.cfg.prefill_buckets[-1]
-        while pending := [(h, end) for h, _, _, end in rows if pos[id(h)] < end]:
+        while pending := [(h, end) for h, _, _, end, *_ in rows if pos[id(h)] < end]:
             # Long inputs advance one chunk per round; rows finish in different rounds.
             n = [min(chunk, end - pos[id(h)]) for h, end in pending]
             t = _bucket(max(n), self.cfg.prefill_buckets)
             b = _bucket(len(pending), self.cfg.decode_buckets)
             tokens_bt = np.zeros((b, t), np.int32)
             for i, (h, _) in enumerate(pending):
-                tokens_bt[i, : n[i]] = h.tokens[pos[id(h)]: pos[id(h)] + n[i]]
+                tokens_bt[i, : n[i]] = full[id(h)][pos[id(h)]: pos[id(h)] + n[i]]
             packed, logits = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
-                                       [pos[id(h)] for h, _ in pending], n, b)
+                                       [pos[id(h)] for h, _ in pending], n, b,
+                                       temps=[temp_of[id(h)] for h, _ in pending])
             for i, (h, end) in enumerate(pending):
                 pos[id(h)] += n[i]
                 if pos[id(h)] == end:
                     results[id(h)] = (packed[i], None if logits is None else logits[i])
-        for h, _, _, end in rows:
+        for h, new, start, end, temp, cap in rows:
+            h.temperature, h.max_action_tokens = temp, cap
+            h.tokens.extend(new)
+            if new:
+                h.action_start, h.logprobs, h.versions = end, [], []
+                h.stop_reason = StopReason.NONE
+            self._count_compute(h, start, end)
             h.kv_length, h.version, h.drop_reason = end, self.version, "new"
             h.computed_max = max(h.computed_max, end)
             self.counters.prefill_calls += 1
@@ -315,7 +321,7 @@ class Engine:
                 f"{self.cfg.max_slots} free; raise rollout.max_slots or evict/free tasks")
         ps = self.cfg.page_size
         need = sum(-(-end // ps) if h.slot is None else self.pages.pages_needed(h.slot, start, end)
-                   for h, _, start, end in rows)
+                   for h, _, start, end, *_ in rows)
         if need > self.pages.pages_free:
             raise PoolExhaustedError(
                 f"KV page pool exhausted: prefill needs {need} pages, {self.pages.pages_free} "
@@ -435,14 +441,15 @@ class Engine:
         return out
 
     # -- internals -----------------------------------------------------------------------------
-    def _run(self, fn, rows: list[Prefix], tokens_bt, start, n_new, b):
+    def _run(self, fn, rows: list[Prefix], tokens_bt, start, n_new, b, temps=None):
         st = self._state()
         pad = b - len(rows)
         start_b = np.array(list(start) + [0] * pad, np.int32)
         n_new_b = np.array(list(n_new) + [0] * pad, np.int32)
         table_bp = self.pages.table_array([h.slot for h in rows], b)
         task_b = np.array([h.task_id for h in rows] + [0] * pad, np.int32)
-        temp_b = np.array([h.temperature for h in rows] + [0.0] * pad, np.float32)
+        temps = [h.temperature for h in rows] if temps is None else temps
+        temp_b = np.array(list(temps) + [0.0] * pad, np.float32)
         st.pools, packed, logits = fn(self.params, st.pools, self.run_key, tokens_bt, start_b,
                                       n_new_b, table_bp, task_b, temp_b)
         return np.asarray(packed), None if logits is None else np.asarray(logits)

@@ -35,13 +35,26 @@ class RankFailedError(RuntimeError):
 
 
 @dataclasses.dataclass
+class Handoff:
+    """What a migrating task takes from the rank it leaves (host data only)."""
+
+    prefix: Prefix | None
+    """A copy of its handle with no resident KV (None: it never reached the engine)."""
+    unfed: list[int] | None
+    """Tokens it was given for its current turn and never prefilled (None: none waiting)."""
+    result: TurnResult | None = None
+    """Its current turn, when it finished on the old rank but was never delivered."""
+
+
+@dataclasses.dataclass
 class TurnResult:
     """One finished turn: the action exactly as sampled, and the KV accounting of its prefill."""
 
     action_tokens: list[int]
     logprobs: list[float]
     versions: list[int]
-    """Weight version that sampled each action token."""
+    """Weight version that sampled each action token (the handle's own record, so tokens
+    sampled before a move or a weight sync keep their version)."""
     stop_reason: StopReason
     prompt_tokens: int
     """Context tokens the turn's prefill needed (vLLM's 'queried')."""
@@ -54,12 +67,14 @@ class TurnResult:
 @dataclasses.dataclass
 class _Task:
     prefix: Prefix | None
+    sample_id: int = 0
     pending: list[int] | None = None
     future: asyncio.Future[TurnResult] | None = None
+    result: TurnResult | None = None
+    """The current turn's result once the worker finished it (kept until delivered)."""
     decoding: bool = False
     paused: bool = False
     last_used: float = 0.0
-    versions: list[int] = dataclasses.field(default_factory=list)
     turn_prompt: int = 0
     turn_cached: int = 0
     turn_computed: int = 0
@@ -117,8 +132,8 @@ class RolloutRank:
         self._state = await loop.run_in_executor(self._pool, self.engine.init_decode_state)
         self._runner = asyncio.create_task(self._run(), name=f"rank{self.rank_id}")
 
-    async def close(self) -> dict[int, tuple[Prefix | None, list[int] | None]]:
-        """Stops the loop; hands back every task (handle copy, unprefilled tokens) to migrate."""
+    async def close(self) -> dict[int, Handoff]:
+        """Stops the loop; hands back every task to migrate."""
         self._closed = True
         self._wake.set()
         if self._runner is not None:
@@ -134,12 +149,14 @@ class RolloutRank:
         return int(self.engine.version)
 
     def turn(self, task_id: int, new_tokens: Sequence[int],
-             prefix: Prefix | None = None, *,
+             prefix: Prefix | None = None, *, sample_id: int | None = None,
              temperature: float | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
-        `prefix` adopts a migrated task's handle (its KV is re-prefilled here); `temperature`
-        overrides the engine's for this task (evaluation decodes greedily with 0).
+        `task_id` is the caller's key for the task (unique among its live tasks);
+        `sample_id` keys its sampling (default: `task_id`); `prefix` adopts a migrated task's
+        handle (its KV is re-prefilled here); `temperature` overrides the engine's for this
+        task (evaluation decodes greedily with 0).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -149,7 +166,9 @@ class RolloutRank:
             raise ValueError(f"task {task_id}: an empty turn continues an unfinished action "
                              "only; this one has ended, so pass the next observation's tokens")
         if t is None:
-            t = self.tasks[task_id] = _Task(prefix=prefix)
+            sid = prefix.task_id if prefix is not None else task_id if sample_id is None \
+                else sample_id
+            t = self.tasks[task_id] = _Task(prefix=prefix, sample_id=sid)
             if prefix is not None:
                 self.stats.migrations_in += 1
         if t.future is not None and not t.future.done():
@@ -158,7 +177,7 @@ class RolloutRank:
         t.pending = list(new_tokens)
         t.temperature = temperature
         t.paused = False
-        t.versions = []
+        t.result = None
         t.future = asyncio.get_running_loop().create_future()
         self._wake.set()
         return t.future
@@ -180,17 +199,10 @@ class RolloutRank:
             t.paused = False
             self._wake.set()
 
-    def abort_turn(self, task_id: int) -> None:
-        """Cancels the task's in-flight turn (it is migrating); the engine is not touched."""
-        t = self.tasks.get(task_id)
-        if t is not None and t.future is not None and not t.future.done():
-            t.future.cancel()
-
-    async def release(self, task_id: int) -> tuple[Prefix | None, list[int] | None]:
-        """The task migrates away: a copy of its handle (KV not resident) and the tokens it was
-        given but never prefilled. Its KV here is dropped."""
+    async def release(self, task_id: int) -> Handoff:
+        """The task migrates away (see `Handoff`); its KV here is dropped."""
         if task_id not in self.tasks:
-            return None, None
+            return Handoff(None, None)
         if self.failed is not None or self._runner is None or self._runner.done():
             return self._snapshot(self.tasks.pop(task_id), evict=False)
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -199,8 +211,10 @@ class RolloutRank:
         return await done
 
     def finish(self, task_id: int) -> None:
+        """The task ended: its slot and pages are freed (a quarantined rank only forgets it)."""
         t = self.tasks.pop(task_id, None)
-        if t is not None and t.prefix is not None and t.prefix.slot is not None:
+        if self.failed is None and t is not None and t.prefix is not None \
+                and t.prefix.slot is not None:
             self._ops.append(("free", t.prefix))
             self._wake.set()
 
@@ -219,18 +233,19 @@ class RolloutRank:
                 "paused": sum(t.paused for t in self.tasks.values())}
 
     # -- internals ------------------------------------------------------------------------------
-    def _snapshot(self, t: _Task, *, evict: bool) -> tuple[Prefix | None, list[int] | None]:
-        # Futures are cancelled on the loop thread only (abort_turn, close, the failed path).
+    def _snapshot(self, t: _Task, *, evict: bool) -> Handoff:
+        # Futures are cancelled on the loop thread only (close, the failed path).
         if not evict and t.future is not None and not t.future.done():
             t.future.cancel()
         p = t.prefix
         if p is None:
-            return None, t.pending
+            return Handoff(None, t.pending, t.result)
         if evict and p.slot is not None:
             self.engine.evict(p)
         copy = dataclasses.replace(p, tokens=list(p.tokens), logprobs=list(p.logprobs),
-                                   slot=None, kv_length=0, decoding=False)
-        return copy, t.pending
+                                   versions=list(p.versions), slot=None, kv_length=0,
+                                   decoding=False)
+        return Handoff(copy, t.pending, t.result)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -259,6 +274,7 @@ class RolloutRank:
                     t = self.tasks.get(tid)
                     if t is not None and t.future is not None and not t.future.done():
                         t.future.set_result(result)
+                        t.result = None
                 for op, arg in ops:
                     if op == "weights" and not arg[2].done():
                         arg[2].set_result(None)
@@ -299,28 +315,27 @@ class RolloutRank:
                     if t.decoding:
                         t.decoding = False
                         t.pending = t.pending or []
-        finished: list[tuple[int, TurnResult]] = []
         batch = [tid for tid in ready
                  if tid in self._snap and self._snap[tid].pending is not None]
-        for tid in self._prefill_batch(batch):
-            t = self._snap[tid]
-            if t.prefix is not None and t.prefix.done:
-                finished.append((tid, self._result(t)))
+        finished = self._prefill_batch(batch)
         if any(t.decoding for t in self._snap.values()):
             finished += self._decode()
         return finished, replies
 
-    def _prefill_batch(self, batch: list[int]) -> list[int]:
-        """Prefills `batch` (oldest first) in shared engine calls; returns the tasks done.
+    def _prefill_batch(self, batch: list[int]) -> list[tuple[int, TurnResult]]:
+        """Prefills `batch` (oldest first) in shared engine calls; returns the turns finished.
 
         Out of pages or slots: evict idle tasks (LRU) and retry; with nothing left to evict,
-        shrink the batch from its newest end (those wait for the next step).
+        shrink the batch from its newest end (those wait for the next step). The tasks' state
+        is recorded right after the prefill, before any further engine call: if a later call
+        of this step raises, each task hands over exactly what happened to it.
         """
         eng = self.engine
         many = getattr(eng, "prefill_many", None)
         while batch:
             reqs = [PrefillRequest(self._snap[tid].prefix, self._snap[tid].pending or [],
-                                    len(self._snap[tid].pending or []), task_id=tid,
+                                    len(self._snap[tid].pending or []),
+                                    task_id=self._snap[tid].sample_id,
                                     temperature=self._snap[tid].temperature)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
@@ -336,33 +351,33 @@ class RolloutRank:
                 if not self._evict_lru(exclude=set(batch)):
                     batch = batch[:-1]
                 continue
-            for p in prefixes:
-                if not p.done:
-                    self._state = eng.insert(p, self._state)
             c1 = eng.counters
             self.stats.prefill_batches += 1
             self.stats.recomputed_evicted += c1.recomputed_evicted - c0.recomputed_evicted
             self.stats.recomputed_version += c1.recomputed_version - c0.recomputed_version
+            finished = []
             for tid, p, n0 in zip(batch, prefixes, n_before[:len(batch)], strict=True):
-                self._after_prefill(self._snap[tid], p, n0)
-            return batch
+                t = self._snap[tid]
+                self._after_prefill(t, p, n0)
+                if p.done:
+                    finished.append((tid, self._result(t)))
+            for p in prefixes:
+                if not p.done:
+                    self._state = eng.insert(p, self._state)
+            return finished
         return []
 
     def _after_prefill(self, t: _Task, p: Prefix, n_before: int) -> None:
-        eng = self.engine
         t.prefix, t.pending = p, None
         t.last_used = time.monotonic()
         if p.stop_reason == StopReason.CONTEXT_LIMIT and len(p.tokens) == n_before:
             # Refused before running: the observation does not fit; the action is empty.
-            t.versions = []
             t.decoding = False
             t.empty_action = True
             return
         t.turn_prompt += p.prefill_cached + p.prefill_computed
         t.turn_cached += p.prefill_cached
         t.turn_computed += p.prefill_computed
-        n_sampled = len(p.action_tokens) - len(t.versions)
-        t.versions += [eng.version] * max(0, n_sampled)
         t.decoding = not p.done
 
     def _decode(self) -> list[tuple[int, TurnResult]]:
@@ -387,7 +402,6 @@ class RolloutRank:
                    if t.decoding and t.prefix is not None}
         for slot in res.slots.tolist():
             tid, t = by_slot[slot]
-            t.versions.append(eng.version)
             t.last_used = time.monotonic()
             if t.prefix.done:
                 t.decoding = False
@@ -413,7 +427,7 @@ class RolloutRank:
         t.empty_action = False
         r = TurnResult(action_tokens=[] if empty else list(p.action_tokens),
                        logprobs=[] if empty else list(p.logprobs),
-                       versions=list(t.versions), stop_reason=p.stop_reason,
+                       versions=[] if empty else list(p.versions), stop_reason=p.stop_reason,
                        prompt_tokens=t.turn_prompt, cached_tokens=t.turn_cached,
                        computed_tokens=t.turn_computed, rank=self.rank_id)
         s = self.stats
@@ -422,4 +436,5 @@ class RolloutRank:
         s.cached_tokens += t.turn_cached
         s.computed_tokens += t.turn_computed
         t.turn_prompt = t.turn_cached = t.turn_computed = 0
+        t.result = r  # kept until delivered: a rank that fails now still hands it over
         return r

@@ -10,12 +10,17 @@ task, `Pause` parks it on its rank and calls `/pause` on its env session, `Resum
 
 Failures are values: an env error or timeout ends the task with that `EndReason`; a rank whose
 engine raises is quarantined (`RankFailedError`), its tasks resume on the other ranks.
+
+A task moves between ranks only between turns (the scheduler never pauses a task inside its
+prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
+holds it: the handle, the tokens that rank never prefilled, or the turn that finished there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import zlib
@@ -25,7 +30,7 @@ from typing import Any
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.templates import Transcript, TurnTemplate
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
-from tiderl.serving.pages import StopReason
+from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import RankFailedError, RolloutRank, TurnResult
 
 log = logging.getLogger(__name__)
@@ -74,19 +79,26 @@ class Trajectory:
 
 
 def numeric_id(task_id: str) -> int:
-    """A stable 31-bit id for sampling keys: the same task samples the same way anywhere."""
+    """A stable 31-bit id for sampling keys: the same task samples the same way anywhere.
+
+    Not unique (two task ids may share it; they would only share sampling keys): ranks key
+    their tasks by the episode's `key` instead."""
     return zlib.crc32(task_id.encode()) & 0x7FFFFFFF
 
 
 @dataclasses.dataclass
 class _Episode:
     spec: dict[str, Any]
+    key: int
+    """Unique among this manager's episodes: how ranks know the task."""
     num_id: int
     task: Task
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     rank: int | None = None
+    """Where the scheduler has the task (None while it waits for a rank)."""
+    holder: int | None = None
+    """The rank that holds the task's handle (and maybe its KV); a move takes it from there."""
     session: str = ""
-    migrate_from: int | None = None
     env_paused: bool = False
 
 
@@ -105,8 +117,11 @@ class RolloutManager:
         self.eval_temperature = eval_temperature
         self.system = system
         self.episodes: dict[str, _Episode] = {}
+        """Live episodes only (a finished one is forgotten)."""
+        self._keys = itertools.count()
         self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
         self.end_reasons: dict[str, int] = {}
+        self.submitted = 0
         self.fatal: RolloutFailedError | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
@@ -120,15 +135,15 @@ class RolloutManager:
                 ep.wake.set()
             elif isinstance(d, Pause):
                 self.decisions["pause"] += 1
-                self.ranks[d.rank].pause(ep.num_id)
+                if ep.holder == d.rank:
+                    self.ranks[d.rank].pause(ep.key)
                 ep.wake.clear()
             elif isinstance(d, Resume):
+                # A task is paused only between turns, so it has no turn in flight here; on
+                # another rank its next turn takes the handle from `holder` (see `_turn`).
                 self.decisions["resume"] += 1
-                if ep.rank is not None and ep.rank != d.rank:
-                    ep.migrate_from = ep.rank
-                    self.ranks[ep.rank].abort_turn(ep.num_id)
-                elif ep.rank is not None:
-                    self.ranks[ep.rank].resume(ep.num_id)
+                if ep.holder == d.rank:
+                    self.ranks[d.rank].resume(ep.key)
                 ep.rank = d.rank
                 ep.wake.set()
 
@@ -138,9 +153,8 @@ class RolloutManager:
         log.warning("quarantining rollout rank %d; its tasks migrate", rank)
         for tid in self.sched.remove_rank(rank):
             ep = self.episodes[tid]
-            ep.migrate_from, ep.rank = rank, None
+            ep.rank = None  # its handle stays with `holder` until the next turn takes it
             ep.wake.clear()
-            self.ranks[rank].abort_turn(ep.num_id)
         if not self.sched.live_ranks():
             self.fatal = RolloutFailedError(
                 f"every rollout rank failed (the last was rank {rank}: "
@@ -159,10 +173,15 @@ class RolloutManager:
         for spec in specs:
             task = Task(task_id=spec["task_id"], group_id=spec["group_id"], prompt_tokens=0,
                         is_eval=is_eval, task_type=str(spec.get("suite", "")))
-            ep = _Episode(spec=spec, num_id=numeric_id(spec["task_id"]), task=task)
-            self.episodes[task.task_id] = ep
-            eps.append(ep)
+            if task.task_id in self.episodes or any(e.task.task_id == task.task_id for e in eps):
+                raise ValueError(f"task {task.task_id!r} is already running; task ids must be "
+                                 "unique among live tasks")
+            eps.append(_Episode(spec=spec, key=next(self._keys),
+                                num_id=numeric_id(spec["task_id"]), task=task))
         self.sched.submit([ep.task for ep in eps])
+        for ep in eps:
+            self.episodes[ep.task.task_id] = ep
+        self.submitted += len(eps)
         self.kick()
         return list(await asyncio.gather(*(self._episode(ep) for ep in eps)))
 
@@ -203,12 +222,14 @@ class RolloutManager:
             new_tokens = list(transcript.tokens)
             reward: float | None = None
             while True:
-                rank = await self._active(ep)
-                self.sched.update_usage(tid, len(transcript) , executing=True)
+                await self._active(ep)
+                # Executing from here to the end of the turn: CTB never pauses it meanwhile,
+                # and its context counts in its rank's usage.
+                self.sched.update_usage(tid, len(transcript), executing=True)
                 self.kick()
-                rank = await self._active(ep)
                 result = await self._turn(ep, new_tokens)
                 self.sched.set_executing(tid, False)
+                self.kick()  # waiting on its env now: the scheduler may park it
                 traj.turns += 1
                 traj.prompt_tokens += result.prompt_tokens
                 traj.cached_tokens += result.cached_tokens
@@ -234,7 +255,6 @@ class RolloutManager:
                     traj.end_reason = EndReason.turn_limit
                     break
                 new_tokens = transcript.add_observation(step.observation)
-                del rank
             end = await self.env.end(ep.session)
             if end.ok:
                 traj.reward = float(end.reward)
@@ -260,34 +280,37 @@ class RolloutManager:
                 str(traj.end_reason), 0) + 1
 
     async def _turn(self, ep: _Episode, new_tokens: list[int]) -> TurnResult:
-        """Runs one turn on the task's rank. When the task migrates (CTB resumed it elsewhere,
-        or its rank failed and was quarantined) the turn moves with its handle and the new rank
-        re-prefills the KV."""
+        """Runs one turn on the task's rank. When the task has moved (CTB resumed it on another
+        rank between turns, or the rank running this turn failed and was quarantined), the
+        turn takes the task's `Handoff` from the rank that holds it and the new rank re-prefills
+        the KV: exactly the tokens that were never fed, or the finished turn itself."""
         pending = list(new_tokens)
-        prefix = None
+        prefix: Prefix | None = None
+        given = False  # this turn's tokens reached `ep.holder`
         while True:
             rank = await self._active(ep)
-            if ep.migrate_from is not None:
-                old, ep.migrate_from = self.ranks[ep.migrate_from], None
-                moved, unfed = await old.release(ep.num_id)
-                if moved is not None:
-                    prefix = moved
-                    pending = unfed if unfed is not None else []
+            if ep.holder is not None and ep.holder != rank.rank_id:
+                h = await self.ranks[ep.holder].release(ep.key)
+                ep.holder = None
                 self.decisions["migrate"] += 1
+                prefix = h.prefix
+                if given:
+                    if h.result is not None:
+                        return h.result  # finished there; only its delivery was lost
+                    if h.unfed is not None:
+                        pending = h.unfed
+                    elif h.prefix is not None:
+                        pending = []  # mid-action: the new rank continues it
+                given = False
+                continue  # the task may have moved again while the release was awaited
             temp = self.eval_temperature if ep.task.is_eval else None
-            fut = rank.turn(ep.num_id, pending, prefix, temperature=temp) \
-                if rank.failed is None else None
-            prefix = None
+            self.sched.set_executing(ep.task.task_id, True)
             try:
-                if fut is None:
-                    raise RankFailedError(f"rank {rank.rank_id} is quarantined")
+                fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp)
+                ep.holder, given, prefix = rank.rank_id, True, None
                 return await fut
             except RankFailedError:
-                ep.migrate_from = rank.rank_id
                 self.quarantine(rank.rank_id)
-            except asyncio.CancelledError:
-                if ep.migrate_from is None:
-                    raise  # not a migration: the episode itself is being cancelled
 
     def _record(self, traj: Trajectory, transcript: Transcript, start: int,
                 result: TurnResult) -> None:
@@ -299,9 +322,10 @@ class RolloutManager:
 
     def _close(self, ep: _Episode) -> None:
         tid = ep.task.task_id
-        if ep.rank is not None and self.ranks[ep.rank].failed is None:
-            self.ranks[ep.rank].finish(ep.num_id)
+        if ep.holder is not None:
+            self.ranks[ep.holder].finish(ep.key)
         self.sched.finish(tid)
+        self.episodes.pop(tid, None)
         self.kick()
 
     # -- metrics --------------------------------------------------------------------------------
@@ -317,5 +341,8 @@ class RolloutManager:
             "forced_evictions": sum(r.stats.forced_evictions for r in self.ranks),
             "decisions": dict(self.decisions),
             "end_reasons": dict(self.end_reasons),
+            "tasks_submitted": self.submitted,
+            "tasks_ended": sum(self.end_reasons.values()),
+            "tasks_live": len(self.episodes),
             "per_rank": [{**r.kv_stats(), "hit_rate": r.stats.kv_hit_rate} for r in self.ranks],
         }
