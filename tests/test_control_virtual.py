@@ -113,15 +113,59 @@ def test_a_run_ended_by_its_time_limit_checkpoints_its_last_step(tmp_path):
     from tiderl.sim.run import simulate
 
     saved = []
+
+    async def save(step, state):
+        saved.append(step)
+
     cfg = ControllerConfig(steps=1000, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
                            console=False, checkpoint_every=5, time_limit_s=60.0)
     loop = looptime.new_event_loop(start=0.0)
     try:
         out = loop.run_until_complete(simulate(
-            cfg, run_dir=str(tmp_path), checkpoint=lambda step, state: saved.append(step)))
+            cfg, run_dir=str(tmp_path), checkpoint=save))
     finally:
         loop.close()
         asyncio.set_event_loop(None)
     n = out["trainer_steps"]
     assert 5 < n < 1000 and n % 5  # a run that ended between two periodic checkpoints
     assert saved == [*range(5, n, 5), n]
+
+
+def test_a_long_run_keeps_its_bookkeeping_bounded(tmp_path):
+    """Per-group and per-task tables hold only what is live; the metrics sink keeps a window."""
+    import looptime
+
+    from tiderl.sim.run import simulate
+
+    cfg = ControllerConfig(steps=40, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
+                           console=False, checkpoint_every=0, min_ok_per_group=1)
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        out = loop.run_until_complete(simulate(cfg, run_dir=str(tmp_path)))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    c = out["controller"]
+    assert c.started_groups > 80
+    assert len(c.index_of) <= len(c.in_flight) + len(c.buffer.ready) <= 3 * cfg.groups_per_step
+    assert len(c.manager.episodes) <= 4 * len(c.in_flight)  # 4 tasks per group
+    assert not c.manager.sched.tasks or len(c.manager.sched.tasks) <= 4 * len(c.in_flight)
+    assert out["summary"]["steps"] == 40 and len(c.metrics.records) <= 1000
+
+
+def test_kernel_caches_are_bounded():
+    from tiderl.serving.engine import make_step
+    from tiderl.train import backend
+
+    for k in range(1, 41):  # 40 sampling configs: jit objects only, nothing compiles
+        make_step(None, kind="decode", impl="reference", interpret=True, top_k=k, top_p=1.0,
+                  keep_logits=False)
+    assert make_step.cache_info().currsize <= 32
+    try:
+        for k in range(20):
+            backend._kernels(("test", k), lambda k=k: (k,))
+        assert len(backend._KERNELS) <= backend.MAX_KERNEL_SETS
+        assert backend._kernels(("test", 19), lambda: None) == (19,)  # the newest are kept
+    finally:
+        for k in range(20):
+            backend._KERNELS.pop(("test", k), None)

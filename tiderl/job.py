@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +75,48 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
     return dest
 
 
-async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
-    """Runs the configured job to the end; returns the final summary."""
+def trim_metrics(run_dir: Path, step: int) -> int:
+    """Resuming from the checkpoint of `step`: records logged after it (steps > `step`, and
+    evaluations of step ≥ `step`, which run again) move from `metrics.jsonl` to
+    `metrics.discarded.jsonl`, so every step appears once. Returns how many moved."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            drop.append(line)
+            continue
+        s = r.get("step", 0)
+        late = s > step if r.get("kind") == "step" else r.get("kind") == "eval" and s >= step
+        (drop if late else keep).append(line)
+    if drop:
+        with (run_dir / "metrics.discarded.jsonl").open("a") as f:
+            f.write("".join(x + "\n" for x in drop))
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
+    return len(drop)
+
+
+async def run_job(cfg: RunConfig, *, resume: bool = False,
+                  overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Runs the configured job to the end; returns the final summary.
+
+    A new run writes its resolved `config.yaml`; a resumed one keeps it and appends the
+    `overrides` it was resumed with to `resumes.jsonl`."""
     from tiderl.launch import build
 
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    if not resume:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     devices, plan, meshes, graphdef, params = build(cfg)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
@@ -101,8 +135,14 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
                                     " start without --resume")
         start_step, data_state = restored
         log.info("resuming at step %d, version %d", start_step, trainer.version)
+        if n := trim_metrics(run_dir, start_step):
+            log.warning("%d metrics records logged after the checkpoint of step %d moved to "
+                        "metrics.discarded.jsonl (those steps run again)", n, start_step)
+        with (run_dir / "resumes.jsonl").open("a") as f:
+            f.write(json.dumps({"from_step": start_step, "at": time.time(),
+                                "overrides": list(overrides)}) + "\n")
     rank_devices = [devices[r[0]] for r in plan.rollout]
-    weights = trainer.export_weights()
+    weights = await trainer.export_weights_async()
     engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
                       version=trainer.version) for d in rank_devices]
     ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
@@ -114,8 +154,12 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
     sched.cfg.check_group_size(cfg.env.group_size)
 
     async def sync_weights(exported: Any, version: int) -> None:
-        await asyncio.gather(*(r.update_weights(jax.device_put(exported, d), version)
-                               for r, d in zip(ranks, rank_devices, strict=True)))
+        async def one(rank: RolloutRank, device: Any) -> None:
+            # The copy runs off the event loop: env I/O keeps flowing during a sync.
+            await rank.update_weights(await asyncio.to_thread(jax.device_put, exported, device),
+                                      version)
+
+        await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))
 
     train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
     train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
@@ -123,8 +167,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False) -> dict:
     eval_groups = [eval_src.element(k) for k in range(min(cfg.controller.eval_groups,
                                                           eval_src.groups))]
 
-    def checkpoint(step: int, state: dict) -> None:
-        ckpt.save(trainer, data_state=state)
+    async def checkpoint(step: int, state: dict) -> None:
+        # On the trainer's worker thread: the save's device→host copy (and a swap back from
+        # host memory) must neither block the event loop nor race the trainer's own work.
+        await asyncio.wrap_future(trainer.call(lambda: ckpt.save(trainer, data_state=state)))
 
     order = "decoupled" if trainer.mode == "decoupled" else "colocated"
     hooks = Hooks(sync_weights=sync_weights,

@@ -111,7 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from tiderl.job import run_job
 
-        summary = asyncio.run(run_job(cfg, resume=bool(args.resume)))
+        setup_logging()
+        summary = asyncio.run(run_job(cfg, resume=bool(args.resume),
+                                      overrides=tuple(args.overrides)))
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
@@ -123,6 +125,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print_report(cfg, summary)
     return 0
+
+
+def setup_logging() -> None:
+    """tiderl's own messages (info and up) and everyone's warnings go to the console, above the
+    progress line; JAX/orbax info chatter stays quiet."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    root = logging.getLogger()
+    if not any(isinstance(h, RichHandler) for h in root.handlers):
+        handler = RichHandler(show_path=False, log_time_format="[%X]")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    logging.getLogger("tiderl").setLevel(logging.INFO)
 
 
 def print_report(cfg: RunConfig, s: dict) -> None:
@@ -150,6 +167,8 @@ def print_report(cfg: RunConfig, s: dict) -> None:
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(t)
+    if s.get("ended"):
+        print(f"ended: {s['ended']}")
     print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
           f"python -m tiderl.report {cfg.run_dir})")
 

@@ -4,8 +4,9 @@
     advantages → ReadinessBuffer → trainer backend → version + 1 → scaling plan → weight sync
 
 It sees the rollout side through `RolloutManager` and the trainer through the backend contract
-(`submit(mb)`, `finish_step_async()`, `export_weights()`, `version`); device work and weight
-movement come in as callables from the JAX side (`tiderl.job`). Every baseline is a mode of
+(`submit(mb)`, `finish_step_async()`, `export_weights_async()`, `version`); device work and
+weight movement come in as coroutines from the JAX side (`tiderl.job`), which run them off the
+event loop's thread so env I/O (and an in-process env server) never stalls behind them. Every baseline is a mode of
 this one loop:
 
 - `tiderl`: CTB rollout runs ahead within the staleness bound; micro-batches are submitted as
@@ -47,7 +48,7 @@ class TrainerPort(Protocol):
 
     async def finish_step_async(self) -> dict: ...
 
-    def export_weights(self) -> Any: ...
+    async def export_weights_async(self) -> Any: ...
 
 
 class _TimeUp(Exception):
@@ -66,7 +67,7 @@ class Hooks:
     """Moves exported weights (version v) to every rollout rank; stale KV is flushed there."""
     make_microbatches: Callable[[list[Any], bool], list[Any]]
     """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
-    checkpoint: Callable[[int, dict], None] | None = None
+    checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
     """Saves the trainer state at a step with the task-stream state."""
 
 
@@ -107,6 +108,8 @@ class Controller:
         self._t0 = 0.0
         self._stop = False
         self._fatal: BaseException | None = None
+        self.end_reason = ""
+        """Why the run ended, in words (the summary's `ended`)."""
 
     # -- clock ------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -329,7 +332,9 @@ class Controller:
         try:
             while self.step < c.steps and not self._stop:
                 if c.time_limit_s and self.now() - self._t0 > c.time_limit_s:
-                    log.info("time limit reached after %d steps", self.step)
+                    self.end_reason = (f"time limit (controller.time_limit_s={c.time_limit_s:g})"
+                                       f" reached after {self.step} of {c.steps} steps")
+                    log.info("%s", self.end_reason)
                     break
                 t_roll = self.now()
                 try:
@@ -339,8 +344,11 @@ class Controller:
                     self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
                     out = await self._train_step()
                 except _TimeUp:
-                    log.warning("time limit reached after %d steps while waiting for trainable "
-                                "data (dropped so far: %s)", self.step, self.buffer.dropped)
+                    self.end_reason = (
+                        f"time limit (controller.time_limit_s={c.time_limit_s:g}) reached after "
+                        f"{self.step} of {c.steps} steps while waiting for trainable data "
+                        f"(groups dropped so far: {dict(self.buffer.dropped)})")
+                    log.warning("%s", self.end_reason)
                     break
                 out["t_train"] = (self._t_train_start, self.now())
                 self.step += 1
@@ -349,7 +357,8 @@ class Controller:
                 t_sync = self.now()
                 plan = self.planner.plan(out["readiness"], self.roles)
                 self.roles = plan.roles
-                await self.hooks.sync_weights(self.trainer.export_weights(), self.version)
+                await self.hooks.sync_weights(await self.trainer.export_weights_async(),
+                                              self.version)
                 sync_s = self.now() - t_sync
                 self._changed.set()
                 if c.mode == "sync":
@@ -358,17 +367,19 @@ class Controller:
                 self._log_step(out, sync_s)
                 if self.hooks.checkpoint is not None and c.checkpoint_every and (
                         self.step % c.checkpoint_every == 0 or self.step == c.steps):
-                    self.hooks.checkpoint(self.step, self.data_state())
+                    await self.hooks.checkpoint(self.step, self.data_state())
                     saved = self.step
                 if self.nonfinite >= c.max_nonfinite_steps:
                     if self.hooks.checkpoint is not None:
-                        self.hooks.checkpoint(self.step, self.data_state())
+                        await self.hooks.checkpoint(self.step, self.data_state())
                     raise NonFiniteStop(
                         f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
                         f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
                         "trainer.grad_clip, then resume with --resume")
                 if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
                     self._launch_eval()
+            if not self.end_reason:
+                self.end_reason = f"completed {self.step} of {c.steps} steps"
         finally:
             self._stop = True
             self._changed.set()
@@ -377,7 +388,7 @@ class Controller:
                 await asyncio.gather(self._producer, return_exceptions=True)
         if self.hooks.checkpoint is not None and c.checkpoint_every and self.step > saved:
             # Ended early (time limit, stream exhausted): the last weights are saved too.
-            self.hooks.checkpoint(self.step, self.data_state())
+            await self.hooks.checkpoint(self.step, self.data_state())
         # A final evaluation of the last weights, then let in-flight rollouts finish or go.
         await self._await_eval()
         if c.eval_every:
@@ -421,11 +432,12 @@ class Controller:
         }
         self.rwt = 0.0
         self.metrics.log(rec)
+        # Only groups not yet trained or dropped need their stream position (`data_state`).
+        live = self.in_flight | {g.group_id for g in self.buffer.ready}
+        self.index_of = {g: k for g, k in self.index_of.items() if g in live}
 
     def _summary(self) -> dict:
-        from tiderl.control.metrics import summarize
-
-        return summarize(self.metrics.records)
+        return {**self.metrics.summary.result(), "ended": self.end_reason}
 
 
 def _tagged(group: dict, tag: str, size: int | None = None) -> dict:

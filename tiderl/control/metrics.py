@@ -1,7 +1,7 @@
 """Run metrics: one record per step to `metrics.jsonl`, Prometheus gauges, a live console
 line, and the end-of-run summary. No JAX.
 
-Definitions (DESIGN §7): goodput = generated (action) tokens consumed by an actor update per
+Definitions: goodput = generated (action) tokens consumed by an actor update per
 wall-clock second since the run started; generation throughput = decoded tokens per second;
 KV hit rate = prompt tokens served from resident KV ÷ prompt tokens needed; RWT = time rollout
 sat idle because of the staleness bound; TWT = time the trainer sat idle waiting for data.
@@ -9,6 +9,7 @@ sat idle because of the staleness bound; TWT = time the trainer sat idle waiting
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from pathlib import Path
@@ -21,13 +22,17 @@ GAUGES = ("goodput", "gen_throughput", "kv_hit_rate", "reward_mean", "eval_succe
 
 
 class MetricsSink:
-    """Appends step records to JSONL, mirrors headline numbers to Prometheus and the console."""
+    """Appends step records to JSONL, mirrors headline numbers to Prometheus and the console.
+
+    Memory stays bounded however long the run: the summary is folded in as records arrive and
+    only the most recent `keep_records` are held (the file has them all)."""
 
     def __init__(self, run_dir: str | Path, *, console: bool = True, prometheus_port: int = -1,
-                 total_steps: int = 0):
+                 total_steps: int = 0, keep_records: int = 1000):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict[str, Any]] = []
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_records)
+        self.summary = Summary()
         self.registry = CollectorRegistry()
         self.gauges = {k: Gauge(f"tiderl_{k}", k, registry=self.registry) for k in GAUGES}
         self.port = None
@@ -51,6 +56,7 @@ class MetricsSink:
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: _jsonable(v) for k, v in record.items()}
         self.records.append(clean)
+        self.summary.add(clean)
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
         for k, g in self.gauges.items():
@@ -92,30 +98,55 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class Summary:
+    """The end-of-run report, folded in one record at a time (constant memory)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self.rwt_s = self.twt_s = 0.0
+        self.evals: list[float] = []  # first, last, best
+
+    def add(self, r: dict[str, Any]) -> None:
+        if r.get("kind") == "step":
+            self.first = self.first or r
+            self.last = r
+            self.rwt_s += r["rwt_s"]
+            self.twt_s += r["twt_s"]
+        elif r.get("kind") == "eval":
+            e = r["eval_success"]
+            e = float("nan") if e is None else e
+            self.evals = [e, e, e] if not self.evals else [self.evals[0], e,
+                                                           max(self.evals[2], e)]
+
+    def result(self) -> dict[str, Any]:
+        if self.last is None:
+            return {"steps": 0}
+        last = self.last
+        out = {
+            "steps": last["step"],
+            "wall_s": last["wall_s"],
+            "goodput": last["goodput"],
+            "gen_throughput": last["gen_throughput"],
+            "kv_hit_rate": last["kv_hit_rate"],
+            "rwt_s": self.rwt_s,
+            "twt_s": self.twt_s,
+            "consumed_tokens": last["consumed_tokens"],
+            "reward_first": self.first["reward_mean"],
+            "reward_last": last["reward_mean"],
+            "dropped": last.get("dropped", {}),
+            "failed_tasks": last.get("failed_tasks", {}),
+            "nonfinite_skipped": last.get("nonfinite_skipped", 0),
+        }
+        if self.evals:
+            out["eval_success_first"], out["eval_success_last"], out["eval_success_best"] = \
+                self.evals
+        return out
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The end-of-run report from the step records (and the final eval record, if any)."""
-    steps = [r for r in records if r.get("kind") == "step"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    if not steps:
-        return {"steps": 0}
-    last = steps[-1]
-    out = {
-        "steps": last["step"],
-        "wall_s": last["wall_s"],
-        "goodput": last["goodput"],
-        "gen_throughput": last["gen_throughput"],
-        "kv_hit_rate": last["kv_hit_rate"],
-        "rwt_s": sum(r["rwt_s"] for r in steps),
-        "twt_s": sum(r["twt_s"] for r in steps),
-        "consumed_tokens": last["consumed_tokens"],
-        "reward_first": steps[0]["reward_mean"],
-        "reward_last": last["reward_mean"],
-        "dropped": last.get("dropped", {}),
-        "failed_tasks": last.get("failed_tasks", {}),
-        "nonfinite_skipped": last.get("nonfinite_skipped", 0),
-    }
-    if evals:
-        out["eval_success_first"] = evals[0]["eval_success"]
-        out["eval_success_last"] = evals[-1]["eval_success"]
-        out["eval_success_best"] = max(e["eval_success"] for e in evals)
-    return out
+    s = Summary()
+    for r in records:
+        s.add(r)
+    return s.result()

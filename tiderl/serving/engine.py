@@ -94,7 +94,7 @@ class DecodeState:
     slots: list[Prefix | None]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)  # bounded: a long-lived process must not pile up executables
 def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
               top_p: float, keep_logits: bool):
     """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T).

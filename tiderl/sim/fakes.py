@@ -52,6 +52,7 @@ class SimEngine:
         tok = rng.choice(DIGITS)
         p.tokens.append(tok)
         p.logprobs.append(-2.2)
+        p.versions.append(self.version)
         if len(p.action_tokens) >= p.max_action_tokens:
             p.stop_reason = StopReason.MAX_ACTION_TOKENS
 
@@ -75,7 +76,8 @@ class SimEngine:
         self.counters.prefill_calls += 1
         p.prefill_cached, p.prefill_computed = resident, end - resident
         if new:
-            p.action_start, p.logprobs, p.stop_reason = end, [], StopReason.NONE
+            p.action_start, p.logprobs, p.versions = end, [], []
+            p.stop_reason = StopReason.NONE
         p.kv_length, p.version = end, self.version
         self._sample(p)
         p.decoding = False
@@ -138,7 +140,7 @@ class SimTrainer:
         self.steps.append(m)
         return m
 
-    def export_weights(self) -> int:
+    async def export_weights_async(self) -> int:
         return self.version
 
 

@@ -66,7 +66,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
     for r in rank_objs:
         await r.close()
     return {"summary": summary, "records": records, "trainer_steps": len(trainer.steps),
-            "env_pauses": env.pauses}
+            "env_pauses": env.pauses, "controller": controller}
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """The trainer backend the controller calls: the RA2P executor over jitted Ref/Actor functions.
 
-Contract (DESIGN §4): `ref_forward(batch)`, `actor_forward(batch)`, `actor_backward(vjp, logprobs,
+Contract: `ref_forward(batch)`, `actor_forward(batch)`, `actor_backward(vjp, logprobs,
 ref_logprobs, batch)` (forms the GRPO cotangent and accumulates), `apply()`, `swap(role, where)`,
 `export_weights()`. The step-level entry point streams micro-batches:
 
     backend.submit(mb)            # non-blocking; callable from the event loop
     metrics = backend.finish_step()          # or: await backend.finish_step_async()
 
-Device work runs on one worker thread (STYLE rule 12): `submit` only enqueues the host
+Device work runs on one worker thread (never on the event loop): `submit` only enqueues the host
 `MicroBatch`; the worker transfers, dispatches and, at `finish_step`, applies the update.
 
 Modes:
@@ -34,6 +34,7 @@ actor_bwd, swap, apply), swaps (model moves) and alternations (Ref/Actor phase c
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import queue
 import threading
@@ -68,7 +69,20 @@ Where = Literal["device", "host"]
 PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply")
 
 
-_KERNELS: dict[tuple, tuple] = {}
+_KERNELS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
+MAX_KERNEL_SETS = 8
+"""Compiled kernel sets kept per process (least recently used dropped first): a long run that
+switches modes or meshes must not accumulate executables."""
+
+
+def _kernels(key: tuple, build: Any) -> tuple:
+    if key in _KERNELS:
+        _KERNELS.move_to_end(key)
+        return _KERNELS[key]
+    _KERNELS[key] = value = build()
+    while len(_KERNELS) > MAX_KERNEL_SETS:
+        _KERNELS.popitem(last=False)
+    return value
 
 
 def _opt_key(cfg: TrainerConfig) -> tuple:
@@ -136,16 +150,18 @@ class TrainerBackend:
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
                self.ref_mesh)
-        if key not in _KERNELS:
+
+        def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
             # modes of the same job (VS/VSO/CM, tests) share the compilation.
             tx = make_optimizer(self.cfg)
             sh = train_shardings(self._abstract, tx, actor_mesh)
             ref_sh = state_shardings(self._abstract, self.ref_mesh)
-            _KERNELS[key] = (tx, sh, ref_sh, make_kernels(
+            return (tx, sh, ref_sh, make_kernels(
                 self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
                 ref_param_shardings=ref_sh))
-        self.tx, self.sh, self.ref_param_sh, self.k = _KERNELS[key]
+
+        self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
 
     def _decide_offload(self) -> bool:
         if self.cfg.offload != "auto":
@@ -281,6 +297,20 @@ class TrainerBackend:
         self._q.put(("finish", fut, time.perf_counter()))
         return fut
 
+    def call(self, fn: Any) -> concurrent.futures.Future:
+        """Runs `fn()` on the trainer's worker thread, after the work queued before it.
+
+        For device work the event loop must not do itself: weight export (a device copy, and
+        a swap back from host memory when offloaded) and checkpoint saves (device→host)."""
+        self._start_worker()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put(("call", (fn, fut), time.perf_counter()))
+        return fut
+
+    async def export_weights_async(self) -> nnx.State:
+        """`export_weights()` on the worker thread, awaited without blocking the event loop."""
+        return await asyncio.wrap_future(self.call(self.export_weights))
+
     def close(self) -> None:
         if self._thread is not None:
             self._q.put(("stop", None, 0.0))
@@ -360,8 +390,8 @@ class TrainerBackend:
                 self._times["wait"] += time.perf_counter() - t_idle
             if kind == "stop":
                 return
-            if kind == "finish":
-                self._answer(payload)
+            if kind != "mb":
+                self._control(kind, payload)
                 continue
             if self._step_t0 is None:
                 self._step_t0 = time.perf_counter()
@@ -385,7 +415,17 @@ class TrainerBackend:
             if pending is not None:
                 if pending[0] == "stop":
                     return
-                self._answer(pending[1])
+                self._control(pending[0], pending[1])
+
+    def _control(self, kind: str, payload: Any) -> None:
+        if kind == "finish":
+            self._answer(payload)
+            return
+        fn, fut = payload  # "call"
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - the caller of call() gets it
+            fut.set_exception(e)
 
     def _answer(self, fut: concurrent.futures.Future) -> None:
         try:
