@@ -1,7 +1,7 @@
 """HF parity, import/export round trip and checkpoint errors (tiny random models made here).
 
-Tolerance: max |Δlogits| ≤ 1e-4 in fp32 against transformers' torch CPU forward (STYLE rule 16,
-whole-model fp32).
+Tolerance: max |Δlogits| ≤ 1e-4 in fp32 against transformers' torch CPU forward (whole-model
+fp32 tolerance).
 """
 
 import json

@@ -1,4 +1,4 @@
-"""The control plane imports without JAX (DESIGN §3, STYLE rule 2): checked in a subprocess."""
+"""The control plane imports without JAX (the simulator runs it on virtual time): checked in a subprocess."""
 
 import importlib.util
 import subprocess

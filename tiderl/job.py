@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def trainer_config_for_mode(cfg: RunConfig):
-    """The baselines' trainer settings (DESIGN §8): stream alternates Ref/Actor per micro-batch,
+    """The baselines' trainer settings: stream alternates Ref/Actor per micro-batch,
     async and sync aggregate a whole global batch, tiderl lets RA2P decide."""
     t = cfg.trainer
     mode = cfg.controller.mode

@@ -37,7 +37,7 @@ class ReadyGroup:
 
 @dataclasses.dataclass
 class Readiness:
-    """Signals at the start of a step and over it (paper §5)."""
+    """Signals at the start of a step and over it (arXiv 2608.10402, §5)."""
 
     ras: int = 0
     """Ready-at-start: micro-batches of work ready when the step began."""

@@ -1,8 +1,9 @@
 """The scaling-plan point: after each actor update, before the weight sync. No JAX.
 
-ERS (paper §5.2) turns readiness signals into role changes at this boundary. This module holds
-the planner interface the controller calls and the planner that keeps the configured split; the
-readiness-driven planner plugs in here without touching the controller.
+ERS (arXiv 2608.10402, §5.2) turns readiness signals into role changes at this boundary. This
+module holds the planner interface the controller calls and the planner that keeps the
+configured split (the only one so far); a readiness-driven planner plugs in here without
+touching the controller.
 """
 
 from __future__ import annotations

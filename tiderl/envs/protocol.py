@@ -1,6 +1,6 @@
 """The env HTTP protocol: request/response schemas, EndReason, and request validation. No JAX.
 
-JSON over HTTP (DESIGN §4 "Env protocol"):
+JSON over HTTP:
 
     POST /start       {task, request_id?}            -> {session, observation}
     POST /observation {session, action, request_id?} -> {observation, done, reward, turn}

@@ -1,6 +1,6 @@
 """Building blocks of the decoder family: RMSNorm, RoPE, dense attention with packed masks.
 
-Shape legend (STYLE.md rule 6): B batch, T query time, S key time, D model, H query heads,
+Shape legend: B batch, T query time, S key time, D model, H query heads,
 K kv heads, G queries per kv head (H = K·G), Dh head dim, F mlp, V vocab, P pages.
 """
 

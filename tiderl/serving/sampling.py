@@ -1,6 +1,6 @@
 """Temperature-first sampling with logprobs; per-token keys from (run, task id, position).
 
-Logprob contract (DESIGN §4): sample from softmax(logits_f32 / T) and return
+Logprob contract: sample from softmax(logits_f32 / T) and return
 log_softmax(logits_f32 / T)[token] over the full vocabulary — the quantity the trainer
 recomputes at the same T.
 - T = 0 is greedy (argmax). The tempered limit would be 0.0 for every token, which carries no
