@@ -33,7 +33,7 @@ def job_overrides(mode: str, steps: int, run_dir: str) -> list[str]:
     return [
         f"controller.mode={mode}", f"controller.steps={steps}", f"run_dir={run_dir}",
         "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
-        "controller.eval_every=100000", "controller.eval_groups=64", "controller.console=false",
+        "controller.eval_every=100000", "env.eval_groups=64", "controller.console=false",
         "controller.checkpoint_every=0",
         # The paper's GRPO pipeline has a Reference phase (KL to the initial policy); the
         # embedded default has no KL term and therefore no Ref forward at all.

@@ -4,6 +4,8 @@ Any `nnx.Module` built as `Class(cfg, rngs=...)` with
 `__call__(tokens, positions, segment_ids, *, cache=None) -> (logits, cache)` is a tiderl policy.
 Handing q/k/v to `cache.attend(layer, ...)` when a cache is given is what lets the rollout
 engine serve it from the paged KV cache; the training path (`cache=None`) gets packed rows.
+This one has as many kv heads as query heads, so it declares `supports_gqa = False`: launch
+then asks for `model.n_kv_heads` equal to `model.n_heads`.
 """
 
 import jax
@@ -39,6 +41,8 @@ class Block(nnx.Module):
 
 class MiniTransformer(nnx.Module):
     """LayerNorm + GELU transformer with multi-head attention (kv heads = heads)."""
+
+    supports_gqa = False
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)

@@ -35,6 +35,7 @@ def test_preset_and_overrides_compose():
     ("rollout.max_context=100000", "rollout.max_context"),
     ("rollout.num_pages=2", "rollout.num_pages"),
     ("rollout.devices_per_rank=2", "rollout.devices_per_rank"),
+    ("rollout.stop_tokens=[-1]", "rollout.stop_tokens"),
 ])
 def test_bad_inputs_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
@@ -64,3 +65,43 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config(str(p))
     with pytest.raises(ConfigError, match="not found"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("overrides,key,fix", [
+    # A trajectory is packed into one training row: longer contexts could never be trained.
+    (["rollout.max_context=256"], "rollout.max_context", "trainer.row_len"),
+    (["rollout.max_context=256", "trainer.row_len=200"], "rollout.max_context", "trainer.row_len"),
+    # Truncated sampling with full-vocabulary behaviour logprobs biases the GRPO ratios.
+    (["rollout.top_k=20"], "rollout.top_k", "rollout.top_k=0"),
+    (["rollout.top_p=0.9"], "rollout.top_p", "rollout.top_p=1.0"),
+    # The byte tokenizer's turn template has no system role.
+    (["controller.system_prompt=Play well."], "controller.system_prompt",
+     "controller.system_prompt=''"),
+])
+def test_impossible_run_configs_are_rejected_at_config_time(overrides, key, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    msg = str(e.value)
+    assert f"config key '{key}'" in msg and fix in msg and "\n" not in msg, msg
+
+
+def test_context_that_fits_a_row_is_accepted():
+    cfg = load_config(None, ["rollout.max_context=256", "trainer.row_len=256"])
+    assert cfg.rollout.max_context == cfg.trainer.row_len == 256
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.batch_min=1", "trainer.batch_ideal=64",              # controller.groups_per_step
+    "trainer.checkpoint_every=5", "trainer.keep_checkpoints=3",   # controller.checkpoint_*
+    "controller.eval_groups=8",                                   # env.eval_groups
+    "controller.max_turns=4",                                     # env.max_turns
+])
+def test_removed_duplicate_keys_are_unknown(override):
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config(None, [override])
+
+
+def test_env_max_turns_is_the_one_turn_limit_and_the_default_run_keeps_four():
+    cfg = RunConfig()
+    assert cfg.env.max_turns == 4
+    assert load_config(None, ["env.max_turns=6"]).env.max_turns == 6

@@ -124,6 +124,15 @@ def test_serve_entry_point_rejects_bad_config():
     assert r.returncode == 2 and "env.suite" in r.stderr
 
 
+def test_serve_entry_point_rejects_a_bad_suite_option_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "tiderl.envs", "serve", "--option", "hint=bogus"],
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("tiderl.envs: error:") and "hint='bogus'" in lines[0]
+    assert "'none' or 'range'" in lines[0]  # the accepted values
+
+
 def test_default_task_rates_stated_in_the_readme_hold():
     import importlib.util
     from fractions import Fraction

@@ -38,6 +38,73 @@ def test_bad_config_is_one_line_error(args, key):
     assert len(lines) == 1 and key in lines[0], r.stderr
 
 
+def test_policy_without_gqa_is_rejected_before_any_work(tmp_path):
+    """examples/custom_policy.py declares supports_gqa = False: n_kv_heads (2 by default) must
+    equal n_heads (4), checked before the run folder or JAX is touched."""
+    run_dir = tmp_path / "run"
+    r = run("model.policy=examples.custom_policy:MiniTransformer", f"run_dir={run_dir}")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tiderl.launch: error:"), r.stderr
+    assert "'model.n_kv_heads'=2" in lines[0] and "model.n_kv_heads=4" in lines[0]
+    assert not run_dir.exists()
+
+
+def test_policy_gqa_declaration():
+    from tiderl.configlib import ConfigError
+    from tiderl.models.config import ModelConfig
+    from tiderl.models.policy import check_policy
+
+    mini = "examples.custom_policy:MiniTransformer"
+    with pytest.raises(ConfigError, match="supports_gqa"):
+        check_policy(ModelConfig(policy=mini, n_heads=4, n_kv_heads=2))
+    check_policy(ModelConfig(policy=mini, n_heads=4, n_kv_heads=4))
+    check_policy(ModelConfig(policy="decoder", n_heads=4, n_kv_heads=2))  # the built-in has GQA
+
+
+def _byte_level_hf_tokenizer(path):
+    """A tokenizer.json whose ids are the bytes themselves: `template_for` picks the byte
+    template for it, which has no system role."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {_byte_char(b): b for b in range(256)}
+    assert set(vocab) == set(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ("<bos>", "<|im_start|>", "<|im_end|>")])
+    tok.save(str(path))
+    return path
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2's byte → printable character map (what ByteLevel pre-tokenization emits)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def test_system_prompt_needs_a_template_with_a_system_role(tmp_path):
+    """model.tokenizer is a file, so the template is known only once it is read: launch's
+    validation (before any work) rejects a system prompt the template cannot place."""
+    from tiderl.config import load_config
+    from tiderl.configlib import ConfigError
+    from tiderl.launch import validate
+    from tiderl.models.tokenizer import HFTokenizer
+
+    path = _byte_level_hf_tokenizer(tmp_path / "tokenizer.json")
+    assert HFTokenizer(path).encode("ab") == [97, 98]
+    cfg = load_config(None, [f"model.tokenizer={path}", "controller.system_prompt=Play well."])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    msg = str(e.value)
+    assert "config key 'controller.system_prompt'" in msg and "'byte' turn template" in msg
+    assert "controller.system_prompt=''" in msg and "\n" not in msg
+    validate(load_config(None, [f"model.tokenizer={path}"]))  # no system prompt: fine
+
+
 def test_new_run_sets_the_previous_one_aside(tmp_path):
     """A fresh run in a folder holding a run moves that run to `<dir>.<k>`; nothing is lost."""
     from tiderl.job import set_aside_previous_run

@@ -11,14 +11,22 @@ from tiderl.train.config import TrainerConfig
     ({"clip_low": 1.5}, "trainer.clip_low"),
     ({"dual_clip": 0.5}, "trainer.dual_clip"),
     ({"is_cap": 0.0}, "trainer.is_cap"),
-    ({"batch_min": 8, "batch_ideal": 4}, "trainer.batch_ideal"),
     ({"mode": "decoupled"}, "trainer.ref_devices"),
+    ({"mode": "colocated", "ref_devices": 2}, "trainer.mode"),
     ({"row_len": 0}, "trainer.row_len"),
     ({"kl_coef": -1.0}, "trainer.kl_coef"),
 ])
 def test_bad_values_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         TrainerConfig(**kw)
+
+
+def test_colocated_mode_with_ref_devices_names_the_fix():
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig(mode="colocated", ref_devices=2)
+    assert "trainer.ref_devices=0" in str(e.value) and "\n" not in str(e.value)
+    assert TrainerConfig(mode="colocated").ref_devices == 0
+    assert TrainerConfig(mode="auto", ref_devices=2).mode == "auto"
 
 
 def test_overrides_reach_trainer_fields():

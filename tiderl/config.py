@@ -34,7 +34,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # a ~90k-parameter decoder on a 2-core CPU. Component defaults stay generic; these are the
 # run-level choices that make that job learn within minutes.
 def _default_env() -> EnvConfig:
-    return EnvConfig(options=("format_bonus=0.1", "hint=range", "targets=member"), group_size=8)
+    # 4 turns: the task's 3 guesses end every episode first.
+    return EnvConfig(options=("format_bonus=0.1", "hint=range", "targets=member"), group_size=8,
+                     max_turns=4)
 
 
 def _default_rollout() -> RolloutConfig:
@@ -54,7 +56,7 @@ def _default_controller() -> ControllerConfig:
     # Whichever comes first: 700 steps (the end of the lr decay) or 8 minutes, so the whole run
     # (compilation and the final evaluation included) stays within 10 minutes on a 2-core CPU.
     # 16 groups × 8 tasks per update: 64 episodes per update proved too noisy for the greedy
-    # evaluation to settle; 128 did (see the closing note of the landing that set this).
+    # evaluation to settle; 128 did.
     return ControllerConfig(steps=700, time_limit_s=480.0, eval_every=50, checkpoint_every=100,
                             groups_per_step=16, groups_per_microbatch=4)
 
@@ -86,6 +88,23 @@ class RunConfig:
                 f"{self.rollout.max_context}-token context ({pages_needed} pages of "
                 f"{self.rollout.page_size}); raise rollout.num_pages or lower rollout.max_context"
             )
+        r = self.rollout
+        if r.max_context > self.trainer.row_len:
+            raise ConfigError(
+                f"config key 'rollout.max_context'={r.max_context} exceeds trainer.row_len="
+                f"{self.trainer.row_len} (a trajectory is trained in one packed row, so a longer "
+                "one could not be trained); lower rollout.max_context or raise trainer.row_len")
+        if r.top_k or r.top_p < 1.0:
+            key, value, off = (("top_k", r.top_k, "0") if r.top_k else ("top_p", r.top_p, "1.0"))
+            raise ConfigError(
+                f"config key 'rollout.{key}'={value}: truncated sampling in a training run biases "
+                "the GRPO importance ratios (behaviour logprobs are full-vocabulary); set "
+                f"rollout.{key}={off} (top-k/top-p stay available on the Engine for evaluation)")
+        if self.controller.system_prompt and self.model.tokenizer == "byte":
+            raise ConfigError(
+                "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
+                "template has no system role; set controller.system_prompt='' or use a "
+                "model.tokenizer whose template has one (ChatML, Llama 3)")
 
     def device_plan(self, n_devices: int) -> DevicePlan:
         colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"

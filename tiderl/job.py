@@ -46,6 +46,13 @@ def trainer_config_for_mode(cfg: RunConfig):
     return t
 
 
+def rollout_config_for(cfg: RunConfig, template: Any):
+    """The engines' rollout config: `rollout.stop_tokens` are extra stop ids, added to the turn
+    template's own (which always end an action)."""
+    stops = set(cfg.rollout.stop_tokens) | set(template.stop_ids)
+    return dataclasses.replace(cfg.rollout, stop_tokens=tuple(sorted(stops)))
+
+
 class MicroBatcher:
     """Packs ready sequences; what does not fill a micro-batch waits for the next call."""
 
@@ -120,7 +127,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     devices, plan, meshes, graphdef, params = build(cfg)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
-    rcfg = dataclasses.replace(cfg.rollout, stop_tokens=tuple(sorted(template.stop_ids)))
+    rcfg = rollout_config_for(cfg, template)
     tcfg = trainer_config_for_mode(cfg)
     ref_mesh = meshes["ref"] if plan.ref else None
     trainer = TrainerBackend(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
@@ -164,8 +171,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
     train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
     eval_src = TaskSource.from_config(cfg.env, "eval")
-    eval_groups = [eval_src.element(k) for k in range(min(cfg.controller.eval_groups,
-                                                          eval_src.groups))]
+    eval_groups = [eval_src.element(k) for k in range(eval_src.groups)]  # env.eval_groups
 
     async def checkpoint(step: int, state: dict) -> None:
         # On the trainer's worker thread: the save's device→host copy (and a swap back from
@@ -189,7 +195,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
             await r.start()
         async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
             manager = RolloutManager(ranks, sched, env, template,
-                                     max_turns=cfg.controller.max_turns,
+                                     max_turns=cfg.env.max_turns,
                                      system=cfg.controller.system_prompt or None,
                                      eval_temperature=cfg.controller.eval_temperature)
             controller = Controller(

@@ -46,6 +46,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def validate(cfg: RunConfig) -> None:
+    """The checks RunConfig cannot make without importing the user's policy module or reading the
+    tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    from tiderl.envs.templates import template_for
+    from tiderl.models.policy import check_policy
+    from tiderl.models.tokenizer import load_tokenizer
+
+    check_policy(cfg.model)
+    try:
+        template = template_for(load_tokenizer(cfg.model.tokenizer), "auto")
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.tokenizer'={cfg.model.tokenizer!r}: {e}") from e
+    if cfg.controller.system_prompt and not template.system_open:
+        raise ConfigError(
+            f"config key 'controller.system_prompt' is set, but the {template.name!r} turn "
+            f"template of model.tokenizer={cfg.model.tokenizer!r} has no system role; set "
+            "controller.system_prompt='' or use a tokenizer whose template has one (ChatML, "
+            "Llama 3)")
+
+
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     from tiderl.cluster import init_jax, role_meshes
@@ -101,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        validate(cfg)
         if args.plan:
             devices, plan, _meshes, _graphdef, params = build(cfg)
             print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")

@@ -25,14 +25,15 @@ class ControllerConfig:
     """A micro-batch is formed as soon as this many groups are ready (streaming modes)."""
     max_staleness: int = 1
     """Tokens generated more than this many versions before the update are dropped (counted)."""
-    max_turns: int = 4
     eval_every: int = 10
-    """Evaluate on held-out tasks every K steps (0: never); eval runs during the next step."""
-    eval_groups: int = 64
+    """Evaluate on the held-out split (all `env.eval_groups` groups) every K steps (0: never);
+    eval runs during the next step."""
     eval_temperature: float = 0.0
     """Sampling temperature of evaluation tasks (0: greedy, as verl's validation default)."""
     checkpoint_every: int = 20
+    """Save a checkpoint every N steps, and at the end (0: never)."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept in <run_dir>/checkpoints."""
     max_nonfinite_steps: int = 3
     """Consecutive non-finite updates (skipped) after which the run stops with a checkpoint."""
     min_ok_per_group: int = 2
@@ -44,10 +45,12 @@ class ControllerConfig:
     time_limit_s: float = 0.0
     """Stop after this much wall time (0: no limit); the run still evaluates and reports."""
     system_prompt: str = ""
+    """System turn before each task's first observation ('' for none); needs a turn template
+    with a system role (ChatML, Llama 3), not the byte tokenizer's."""
 
     def __post_init__(self):
-        for name in ("steps", "groups_per_step", "groups_per_microbatch",
-                     "max_turns", "eval_groups", "max_nonfinite_steps"):
+        for name in ("steps", "groups_per_step", "groups_per_microbatch", "keep_checkpoints",
+                     "max_nonfinite_steps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'controller.{name}' must be positive, got "
                                   f"{getattr(self, name)}")

@@ -50,10 +50,11 @@ async def serve(cfg: EnvConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(argv)
+        # A bad suite option is a ConfigError from the server's startup, before it listens.
+        asyncio.run(serve(cfg))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"tiderl.envs: error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve(cfg))
     return 0
 
 

@@ -88,7 +88,9 @@ class EnvConfig:
     max_action_chars: int = 4096
     """Longest action string accepted by /observation; longer ones answer 413."""
     max_turns: int = 256
-    """Server-side turn cap: the episode is done after this many /observation calls."""
+    """Turn limit of an episode: the run's episode runner ends a task after this many actions
+    (end reason turn_limit), and the env server (in-process or `python -m tiderl.envs serve`)
+    reports done after this many /observation calls."""
     latency: LatencyConfig = dataclasses.field(default_factory=LatencyConfig)
     """Injected per-step latency, to mimic slow environments (WebShop, ALFWorld)."""
 
@@ -98,7 +100,8 @@ class EnvConfig:
     train_groups: int = 100_000
     """Distinct groups in the train split (the stream repeats it epoch after epoch)."""
     eval_groups: int = 64
-    """Distinct groups in the eval split (disjoint seeds from train)."""
+    """Distinct groups in the eval split (disjoint seeds from train); each evaluation runs all
+    of them."""
     task_seed: int = 0
     """Base of the suite-specific seeds and of the stream's shuffle."""
     options: tuple[str, ...] = ()

@@ -22,6 +22,7 @@ from typing import Any
 import prometheus_client as prom
 from aiohttp import web
 
+from tiderl.configlib import ConfigError
 from tiderl.envs.adapters.base import Adapter, TaskError
 from tiderl.envs.config import EnvConfig
 from tiderl.envs.latency import LatencyModel
@@ -84,8 +85,10 @@ class EnvServer:
         self._options = dict(cfg.option_dict() if options is None else options)
         try:  # bad suite options fail here, at startup, not at the first /start
             self._make(self._options)
-        except TaskError as e:
-            raise ValueError(f"env.options {self._options}: {e}; fix env.options") from e
+        except ValueError as e:  # TaskError, or an adapter's own check of an option's value
+            opts = [f"{k}={v}" for k, v in self._options.items()]
+            raise ConfigError(f"config key 'env.options'={opts}: {e}; fix that option "
+                              "(env.options, or --option of python -m tiderl.envs serve)") from e
         self._latency = LatencyModel(cfg.latency)
         self._sessions: dict[str, _Session] = {}
         self._tombs: collections.OrderedDict[str, _Tombstone] = collections.OrderedDict()

@@ -17,7 +17,12 @@ from tiderl.models.sharding import state_shardings
 
 @runtime_checkable
 class Policy(Protocol):
-    """A policy is an `nnx.Module` with this call; `cache=None` is the packed training path."""
+    """A policy is an `nnx.Module` with this call; `cache=None` is the packed training path.
+
+    A policy class that cannot serve grouped-query attention (its k/v have as many heads as q)
+    declares `supports_gqa = False`; launch then rejects `model.n_kv_heads != model.n_heads`
+    before any work. Without the attribute a policy is taken to follow `model.n_kv_heads`.
+    """
 
     def __call__(self, tokens, positions, segment_ids, *,
                  cache: AttentionCache | None = None) -> tuple[Any, AttentionCache | None]: ...
@@ -41,6 +46,19 @@ def policy_class(cfg: ModelConfig) -> type[nnx.Module]:
             f"config key 'model.policy'={cfg.policy!r}: {attr!r} is not an nnx.Module class "
             f"in {module_name}"
         )
+    return cls
+
+
+def check_policy(cfg: ModelConfig) -> type[nnx.Module]:
+    """Resolves `model.policy` and checks `cfg` against what the class declares it supports
+    (`supports_gqa`); a `ConfigError` naming the key otherwise. Launch calls it before any
+    work: resolving imports the user's module."""
+    cls = policy_class(cfg)
+    if cfg.n_kv_heads != cfg.n_heads and not getattr(cls, "supports_gqa", True):
+        raise ConfigError(
+            f"config key 'model.n_kv_heads'={cfg.n_kv_heads}: policy {cfg.policy!r} does not "
+            f"support grouped-query attention (supports_gqa = False); set model.n_kv_heads="
+            f"{cfg.n_heads} (= model.n_heads)")
     return cls
 
 

@@ -40,11 +40,15 @@ class RolloutConfig:
     """Prefill chunk lengths compiled (one trace each); longer appends run in chunks of the
     largest."""
     stop_tokens: tuple[int, ...] = ()
-    """Token ids that end an action (the engine reports StopReason.STOP_TOKEN)."""
+    """Token ids that end an action (the engine reports StopReason.STOP_TOKEN). In a run these
+    are extra stop ids: the turn template's own stop tokens (e.g. <|im_end|>) are always added."""
     top_k: int = 0
-    """0 = off (default). When on, sampling is truncated and results are flagged `filtered`."""
+    """0 = off (default). When on, sampling is truncated and results are flagged `filtered`.
+    Engine use only (evaluation, inference): a training run rejects it, since the behaviour
+    logprobs stay full-vocabulary and truncated sampling would bias the GRPO ratios."""
     top_p: float = 1.0
-    """1.0 = off (default). When on, sampling is truncated and results are flagged `filtered`."""
+    """1.0 = off (default). When on, sampling is truncated and results are flagged `filtered`.
+    Engine use only, like top_k: a training run rejects it."""
     attention: Literal["auto", "reference", "pallas"] = "auto"
     """'reference': gather + jnp attention everywhere. 'pallas': Pallas paged attention for decode
     and gather + jax.nn.dot_product_attention for prefill. 'auto': pallas on GPU, else reference."""
@@ -70,6 +74,9 @@ class RolloutConfig:
             raise ConfigError(
                 f"config key 'rollout.decode_buckets' tops out at {self.decode_buckets[-1]} < "
                 f"rollout.max_slots={self.max_slots}; add a bucket >= max_slots or lower max_slots")
+        if any(t < 0 for t in self.stop_tokens):
+            raise ConfigError(f"config key 'rollout.stop_tokens'={list(self.stop_tokens)}: token "
+                              "ids must be >= 0")
         if self.top_k < 0:
             raise ConfigError(f"config key 'rollout.top_k'={self.top_k} must be >= 0 (0 is off)")
         if not 0.0 < self.top_p <= 1.0:

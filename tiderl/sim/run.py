@@ -30,7 +30,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
                    env_step_s: float = 2.0, per_mb_s: float = 0.5, scheduler: str = "ctb",
                    run_dir: str | None = None, engine_cls: type = SimEngine,
                    env: SimGuessEnv | None = None, zero_var: str = "keep",
-                   checkpoint: Any = None) -> dict[str, Any]:
+                   checkpoint: Any = None, max_turns: int = 4) -> dict[str, Any]:
     tmpl = template_for(ByteTokenizer(), "byte")
     engines = [engine_cls(seed=7, stop_tokens=tuple(tmpl.stop_ids)) for _ in range(ranks)]
     rank_objs = [RolloutRank(i, e) for i, e in enumerate(engines)]
@@ -49,7 +49,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
 
     src = TaskSource("default", "train", groups=1000, group_size=group_size)
     eval_src = TaskSource("default", "eval", groups=4, group_size=group_size)
-    manager = RolloutManager(rank_objs, sched, env, tmpl, max_turns=cfg.max_turns)
+    manager = RolloutManager(rank_objs, sched, env, tmpl, max_turns=max_turns)
     with tempfile.TemporaryDirectory() as tmp:
         metrics = MetricsSink(run_dir or tmp, console=False)
         controller = Controller(

@@ -1,12 +1,15 @@
-"""Orbax checkpoints of the trainer: params, optimizer state, step, weight version, RNG, Ref params
-and the caller's opaque (JSON) task-stream iterator state.
+"""Orbax checkpoints of the trainer: params, optimizer state, step, weight version, Ref params and
+the caller's opaque (JSON) task-stream iterator state. (Training draws no random numbers: the
+GRPO step is deterministic, and rollout sampling keys derive from the run seed, the task and
+the position, so there is no RNG state to save.)
 
 Saves are asynchronous (the device→host copy happens before `save` returns, so the caller may
 donate the state right after; files are written in the background) and the newest
 `keep` are kept. Orbax writes into a temporary directory and renames it when complete, so a
 write killed midway leaves only a `*.orbax-checkpoint-tmp-*` directory, which `latest_step`
 ignores: resume picks the newest complete checkpoint. The model config and the train-state
-structure are stored beside the arrays; resuming with a different one is a `ConfigError`.
+structure are stored beside the arrays; resuming with a different one is a `ConfigError`, and so
+is a checkpoint orbax cannot read (corrupt or missing files): the message names the step folder.
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ def _structure(tree: Any) -> list[str]:
     return [f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in leaves]
 
 
+_META_KEYS = frozenset({"step", "version", "data_state", "model", "structure"})
+
+
+def _unreadable(where: Path, e: BaseException, fix: str) -> ConfigError:
+    """orbax/tensorstore errors can span pages; one line of it is enough to say what broke."""
+    detail = " ".join(str(e).split()).split(" See full TensorStore details")[0] or "no detail"
+    if len(detail) > 160:
+        detail = detail[:157] + "..."
+    return ConfigError(f"checkpoint {where} cannot be read ({type(e).__name__}: {detail}); {fix}")
+
+
 class Checkpointer:
     """One run's checkpoint directory (orbax CheckpointManager, async, keep N)."""
 
@@ -45,23 +59,11 @@ class Checkpointer:
         self.mgr = ocp.CheckpointManager(self.directory, options=opts,
                                          item_names=("state", "meta"))
 
-    @classmethod
-    def from_config(cls, run_dir: str | Path, cfg) -> Checkpointer:
-        """`<run_dir>/checkpoints`, keeping `trainer.keep_checkpoints`."""
-        return cls(Path(run_dir) / "checkpoints", keep=cfg.keep_checkpoints)
-
-    def save_if_due(self, backend, every: int, *, data_state: Any = None) -> int | None:
-        """Saves when the backend's step is a multiple of `every` (trainer.checkpoint_every)."""
-        step = int(jax.device_get(backend.state["step"]))
-        if every <= 0 or step == 0 or step % every:
-            return None
-        return self.save(backend, data_state=data_state)
-
     def _tree(self, backend) -> dict:
         # Offloaded models come back to device memory first (the shardings saved are those).
         backend.swap("actor", "device")
         backend.swap("ref", "device")
-        return {"train": backend.state, "ref": backend.ref_params, "rng": backend.rng_key}
+        return {"train": backend.state, "ref": backend.ref_params}
 
     def save(self, backend, *, data_state: Any = None, wait: bool = False) -> int:
         """Checkpoints `backend` at its current step; `data_state` must be JSON-serialisable."""
@@ -88,11 +90,27 @@ class Checkpointer:
         """Restores the newest complete checkpoint (or `step`) into `backend`.
 
         Returns (step, data_state), or None when the directory holds no complete checkpoint.
+        A checkpoint written for another model or train state, or one that cannot be read, is a
+        one-line `ConfigError` naming it and the fix.
         """
-        step = self.latest_step() if step is None else step
+        if step is None:
+            try:
+                step = self.latest_step()
+            except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
+                raise _unreadable(self.directory, e, "make it a readable checkpoint folder or "
+                                  "start a new run_dir (without --resume)") from e
         if step is None:
             return None
-        meta = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        where = self.directory / str(step)
+        fix = (f"delete {where} to resume from the previous checkpoint, or start a new run_dir "
+               "(without --resume)")
+        try:
+            meta = self.mgr.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or not _META_KEYS <= meta.keys():
+                raise ValueError(f"its meta item lacks one of {sorted(_META_KEYS)}")
+        except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
+            raise _unreadable(where, e, fix) from e
         want = to_dict(backend.model_cfg)
         if meta["model"] != want:
             diff = sorted(k for k in set(want) | set(meta["model"])
@@ -108,9 +126,12 @@ class Checkpointer:
                 f"checkpoint {self.directory}/{step} holds a different train state (optimizer "
                 "or parameter layout changed, e.g. trainer.grad_clip/weight_decay/lr_schedule); "
                 "resume with the config it was written with or use a new run_dir")
-        out = self.mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(tree))))["state"]
-        backend.state, backend.ref_params, backend.rng_key = out["train"], out["ref"], out["rng"]
+        try:
+            out = self.mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(tree))))["state"]
+        except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
+            raise _unreadable(where, e, fix) from e
+        backend.state, backend.ref_params = out["train"], out["ref"]
         backend.version = int(meta["version"])
         log.info("resumed from %s/%d (version %d)", self.directory, step, backend.version)
         return step, meta["data_state"]

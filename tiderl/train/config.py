@@ -1,4 +1,9 @@
-"""Trainer config: devices, optimizer, GRPO loss, micro-batching, RA2P, checkpoints (JAX-free)."""
+"""Trainer config: devices, optimizer, GRPO loss, micro-batching, RA2P (JAX-free).
+
+Checkpoint cadence and retention are the controller's (`controller.checkpoint_every`,
+`controller.keep_checkpoints`); the batch range is `controller.groups_per_step` /
+`controller.min_groups_per_step`.
+"""
 
 from __future__ import annotations
 
@@ -59,13 +64,11 @@ class TrainerConfig:
     """Rows each data-parallel rank takes per micro-batch (the per-rank token budget is
     rows_per_rank × row_len); smaller micro-batches are padded to power-of-two row buckets."""
     balance: Literal["lpt", "zigzag"] = "lpt"
-    batch_min: int = 1
-    batch_ideal: int = 64
-    """Elastic batch: a step consumes between batch_min and batch_ideal sequences."""
 
     # --- RA2P executor (train/ra2p.py, train/backend.py) ---
     mode: Literal["auto", "decoupled", "colocated"] = "auto"
-    """auto: decoupled when ref_devices > 0, else colocated; the cost model advises switches."""
+    """auto: decoupled when ref_devices > 0, else colocated; the cost model advises switches.
+    colocated needs ref_devices = 0 (the Ref shares the Actor's devices)."""
     aggregate: bool = True
     """Colocated: run Ref over all ready micro-batches, then Actor over them (False alternates
     per micro-batch, the vanilla-streaming baseline)."""
@@ -81,11 +84,6 @@ class TrainerConfig:
     sync_timings: bool = False
     """Block after every phase so per-phase times are exact (serialises the decoupled pipeline)."""
 
-    # --- checkpoints (train/checkpoint.py) ---
-    checkpoint_every: int = 0
-    """Save every N steps (0: only when asked)."""
-    keep_checkpoints: int = 3
-
     def __post_init__(self):
         if self.actor_devices <= 0:
             raise ConfigError("config key 'trainer.actor_devices' must be positive")
@@ -100,13 +98,11 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ConfigError(f"config key 'trainer.lr' must be positive, got {self.lr}")
         for name in ("weight_decay", "grad_clip", "warmup_steps", "adv_eps", "kl_coef",
-                     "entropy_coef",
-                     "checkpoint_every", "colocate_slack"):
+                     "entropy_coef", "colocate_slack"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "
                                   f"{getattr(self, name)}")
-        for name in ("decay_steps", "row_len", "rows_per_rank", "batch_min", "max_aggregate",
-                     "keep_checkpoints"):
+        for name in ("decay_steps", "row_len", "rows_per_rank", "max_aggregate"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
@@ -121,14 +117,14 @@ class TrainerConfig:
         if self.is_cap <= 0:
             raise ConfigError(f"config key 'trainer.is_cap'={self.is_cap} must be positive "
                               "(1.0 is V-trace truncation)")
-        if self.batch_ideal < self.batch_min:
-            raise ConfigError(
-                f"config key 'trainer.batch_ideal'={self.batch_ideal} is below "
-                f"trainer.batch_min={self.batch_min}; raise batch_ideal or lower batch_min"
-            )
         if self.mode == "decoupled" and self.ref_devices == 0:
             raise ConfigError("config key 'trainer.mode'='decoupled' needs trainer.ref_devices "
                               "> 0 (devices for the Ref); set it or use mode 'colocated'")
+        if self.mode == "colocated" and self.ref_devices > 0:
+            raise ConfigError(
+                f"config key 'trainer.mode'='colocated' runs the Ref on the Actor's devices, but "
+                f"trainer.ref_devices={self.ref_devices}; set trainer.ref_devices=0 or use mode "
+                "'decoupled' (or 'auto')")
         if not 0 < self.offload_fraction <= 1:
             raise ConfigError(f"config key 'trainer.offload_fraction'={self.offload_fraction} "
                               "must lie in (0, 1]")
