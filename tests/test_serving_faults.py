@@ -14,6 +14,7 @@ import pytest
 from test_serving_rollout import build, full_logprobs, rollout_cfg
 from tiderl.envs.client import EnvClient
 from tiderl.envs.config import EnvConfig, LatencyConfig
+from tiderl.envs.protocol import EndReason
 from tiderl.envs.server import endpoint
 from tiderl.envs.tasks import TaskSource
 from tiderl.envs.templates import template_for
@@ -183,3 +184,14 @@ async def test_task_ids_whose_sampling_ids_collide_stay_separate():
     assert {t.task_id for t in trajs} >= {"collide-989", "collide-2116060"}
     assert_engine_logprobs(graphdef, params, trajs)
     assert not mgr.episodes and not mgr.ranks[0].tasks
+
+
+async def test_an_episode_cut_by_the_servers_turn_cap_ends_at_its_turn_limit():
+    rcfg = rollout_cfg()
+    _, _, engines = build(1, rcfg)
+    trajs, _ = await run_groups(engines, rcfg, groups_of(2, 4), env_cfg=EnvConfig(max_turns=2),
+                                max_turns=4)
+    assert all(t.turns <= 2 for t in trajs)
+    cut = [t for t in trajs if t.turns == 2 and t.reward < 1.0]
+    assert cut and all(t.end_reason == EndReason.turn_limit for t in cut), \
+        [(t.turns, t.reward, t.end_reason) for t in cut]

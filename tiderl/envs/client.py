@@ -92,7 +92,8 @@ class EnvClient:
         return StepResult(observation=str(out.get("observation", "")),
                           done=bool(out.get("done", False)),
                           reward=None if reward is None else float(reward),
-                          turn=int(out.get("turn", 0)))
+                          turn=int(out.get("turn", 0)),
+                          truncated=str(out.get("truncated", "")))
 
     async def end(self, session: str) -> EndResult:
         """Closes the session; returns the episode's final reward and info."""

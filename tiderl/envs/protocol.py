@@ -155,6 +155,8 @@ class StepResult(_Outcome):
     done: bool = False
     reward: float | None = None
     turn: int = 0
+    truncated: str = ""
+    """Why the server ended a not-finished episode ('turn_limit': its turn cap), else ''."""
     reason: EndReason | None = None
     error: str = ""
 

@@ -249,7 +249,8 @@ class RolloutManager:
                 if step.reward is not None:
                     reward = step.reward
                 if step.done:
-                    traj.end_reason = EndReason.done
+                    traj.end_reason = EndReason.turn_limit if step.truncated == "turn_limit" \
+                        else EndReason.done
                     break
                 if traj.turns >= self.max_turns:
                     traj.end_reason = EndReason.turn_limit
