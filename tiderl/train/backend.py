@@ -131,7 +131,6 @@ class TrainerBackend:
                                          self.ref_param_sh)
         self.state = init_train_state(jax.device_put(_copy(params), self.sh.params), self.tx,
                                       self.sh)
-        self.rng_key = jax.random.key_data(jax.random.key(seed))
         self.version = 0
         self.where: dict[str, Where] = {"actor": "device", "ref": "device"}
         self.offload = self._decide_offload()
@@ -256,11 +255,6 @@ class TrainerBackend:
         self._times["swap"] += dt
         self._swaps += 1
         return dt
-
-    def step_key(self) -> jax.Array:
-        """This step's training key, `fold_in(run_key, step)` (checkpointed with the state)."""
-        return jax.random.fold_in(jax.random.wrap_key_data(self.rng_key),
-                                  int(jax.device_get(self.state["step"])))
 
     def logprobs(self, mb: MicroBatch) -> np.ndarray:
         """The current policy's per-token logprobs of `mb` on the host (evals, on-policy tests)."""
