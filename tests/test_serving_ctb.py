@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -53,10 +54,12 @@ workloads = st.fixed_dictionaries({
     "seed": st.integers(0, 10_000),
     "horizon": st.sampled_from([None, 1, 5]),
     "unsized": st.booleans(),
+    "shared": st.booleans(),
 })
 
 
-def check_round(s: CTBScheduler, decisions, before: dict[str, str]):
+def check_round(s: CTBScheduler, decisions, before: dict[str, str], executing: set[str]):
+    s._check_indexes()
     ids = list(s.tasks)
     # No task lost or duplicated: each id in exactly one place, queue entries unique.
     queued = [tid for tids in s.queue.values() for tid in tids]
@@ -75,9 +78,14 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str]):
         elif isinstance(d, Pause):
             assert before[d.task_id] == "active" or any(
                 isinstance(e, Resume) and e.task_id == d.task_id for e in decisions)
-    # Budgets hold (workloads keep every single task below a rank's budget).
+            # A task inside its prefill/decode finishes that turn on its rank: never paused.
+            assert d.task_id not in executing, d
+    # Budgets hold (workloads keep every single task below a rank's budget), except on a rank
+    # where only executing tasks are left to pause: a later round pauses them.
     for r in s.live_ranks():
-        assert s.usage(r) <= s.budget(r), (r, s.usage(r), s.budget(r))
+        on = s.active_on(r)
+        assert s.usage(r) <= s.budget(r) or len(on) == 1 or all(t.executing for t in on), (
+            r, s.usage(r), s.budget(r))
     # Paused tasks are resumed before new ones are admitted: no paused task would have fit on a
     # rank in the room that this round's non-eval admissions took (a new eval task outranks a
     # paused non-eval one and may preempt it).
@@ -87,11 +95,12 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str]):
         kept = [t for t in s.active_on(r) if t.task_id not in admitted]
         for p in (t for t in s.tasks.values() if t.state == "paused"):
             assert s._usage_of(kept + [p]) > s.budget(r), (p.task_id, r)
-    # Eval tasks are paused only when even evicting every non-eval task would not make room.
+    # Eval tasks are paused only when even evicting every non-eval task that is not executing
+    # would not make room.
     for p in (t for t in s.tasks.values() if t.state == "paused" and t.is_eval):
         for r in s.live_ranks():
-            evals = [t for t in s.active_on(r) if t.is_eval]
-            assert s._usage_of(evals + [p]) > s.budget(r)
+            kept = [t for t in s.active_on(r) if t.is_eval or t.executing]
+            assert s._usage_of(kept + [p]) > s.budget(r)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,7 +109,8 @@ def test_ctb_invariants_under_random_workloads(w):
     rng = random.Random(w["seed"])
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
     cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
-    s = CheckedCTB(CFG, [cap] * w["ranks"], max_context=max_ctx + 1)
+    cfg = dataclasses.replace(CFG, shared_prompts=w["shared"])
+    s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1)
     s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
     turns_left: dict[str, int] = {}
     growth: dict[str, int] = {}
@@ -118,8 +128,9 @@ def test_ctb_invariants_under_random_workloads(w):
     killed = False
     for _ in range(400):
         before = {tid: t.state for tid, t in s.tasks.items()}
+        executing = {tid for tid, t in s.tasks.items() if t.executing}
         decisions = s.schedule()
-        check_round(s, decisions, before)
+        check_round(s, decisions, before, executing)
         active = [t for t in s.tasks.values() if t.state == "active"]
         if not active:
             assert all(t.state == "done" for t in s.tasks.values()), "stalled with work left"
@@ -131,12 +142,17 @@ def test_ctb_invariants_under_random_workloads(w):
         elif turns_left[t.task_id] == 0:
             s.finish(t.task_id)
         else:
+            # A turn starts executing (its context grows, possibly past the budget) and, as
+            # often as not, is still executing at the next round.
             turns_left[t.task_id] -= 1
             size = t.tokens if t.measured else prompt[t.task_id]
             s.update_usage(t.task_id, size + growth[t.task_id], executing=True)
+            if rng.random() < 0.5:
+                s.set_executing(t.task_id, False)
         if not killed and w["ranks"] > 1 and event > 0.97:
             s.remove_rank(w["ranks"] - 1)
             killed = True
+        s._check_indexes()
     else:
         raise AssertionError("workload did not finish in 400 events")
     assert s.affinity_violations == []
@@ -175,9 +191,94 @@ def test_eval_preempts_and_group_completion_outranks_activity():
     # g1's group is half done: it outranks x, which is executing but from an empty group.
     assert s.priority(s.tasks["g1"]) > s.priority(s.tasks["x"])
     s.submit([Task(task_id="e", group_id="E", prompt_tokens=95, is_eval=True)])
+    # x is inside its turn, so it cannot be paused; pausing g1 alone leaves no room: e waits.
+    assert s.schedule() == []
+    s.set_executing("x", False)
     got = s.schedule()
     # It only fits once both non-eval tasks are paused: the lower tier (x) goes first.
     assert got == [Pause("x", 0), Pause("g1", 0), Admit("e", 0)]
+
+
+def test_over_budget_never_pauses_an_executing_task():
+    # Pausing a task mid-turn would resume it elsewhere while the turn still runs here.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id=f"g{i}", group_id="G", prompt_tokens=20) for i in range(2)])
+    s.submit([Task(task_id="x", group_id="X", prompt_tokens=20)])
+    s.schedule()
+    s.finish("g0")
+    s.update_usage("g1", 30)
+    s.update_usage("x", 80, executing=True)  # its growing context pushes the rank over
+    # x is the lowest priority (its group is not started) but executing: g1 goes instead.
+    assert s.priority(s.tasks["x"]) < s.priority(s.tasks["g1"])
+    assert s.schedule() == [Pause("g1", 0)]
+    assert s.tasks["x"].state == "active" and s.usage(0) == 80
+    s._check_indexes()
+
+
+def test_rank_of_executing_tasks_stays_over_budget_until_a_turn_ends():
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=20) for n in "ab"])
+    s.schedule()
+    s.update_usage("a", 60, executing=True)
+    s.update_usage("b", 60, executing=True)
+    assert s.schedule() == [] and s.usage(0) == 120  # nothing it may pause
+    s.set_executing("a", False)
+    assert s.schedule() == [Pause("a", 0)]
+    s._check_indexes()
+
+
+def test_eval_preemption_never_pauses_an_executing_task():
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id=f"g{i}", group_id="G", prompt_tokens=30) for i in range(2)])
+    s.submit([Task(task_id="x", group_id="X", prompt_tokens=30)])
+    s.schedule()
+    s.finish("g0")
+    s.set_executing("x", True)
+    s.submit([Task(task_id="e", group_id="E", prompt_tokens=60, is_eval=True)])
+    # Pausing either task makes room; x is the lower tier but executing, so g1 is paused.
+    assert s.schedule() == [Pause("g1", 0), Admit("e", 0)]
+    s._check_indexes()
+
+
+def test_paused_eval_preempts_only_tasks_between_turns():
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id="e", group_id="E", prompt_tokens=10, is_eval=True)])
+    s.submit([Task(task_id=f"g{i}", group_id="G", prompt_tokens=10) for i in range(2)])
+    s.submit([Task(task_id="x", group_id="X", prompt_tokens=10)])
+    s.schedule()
+    s.finish("g0")
+    s.update_usage("e", 40)
+    s.update_usage("g1", 30, executing=True)
+    s.update_usage("x", 40, executing=True)
+    # Over budget and only the eval task is between turns: it is the one paused, and it
+    # cannot preempt tasks that are executing.
+    assert s.schedule() == [Pause("e", 0)]
+    s.set_executing("g1", False)
+    # g1's turn ended: the eval preempts it (not x, the lower tier, which is still executing).
+    assert s.priority(s.tasks["x"]) < s.priority(s.tasks["g1"])
+    assert s.schedule() == [Pause("g1", 0), Resume("e", 0, False)]
+    assert s.tasks["x"].state == "active"
+    s._check_indexes()
+
+
+def test_finishing_queued_tasks_leaves_no_broken_queue():
+    # A task cancelled before admission is finished while still queued; its group's other
+    # tasks may still run. The next rounds must neither crash nor admit it.
+    for kind in (CTBScheduler, VanillaScheduler):
+        s = kind(CTBConfig(action_reserve=0), [1000], max_context=1000)
+        s.submit([Task(task_id=f"b{i}", group_id="B", prompt_tokens=10) for i in range(2)])
+        s.set_admission_limit(1)
+        assert [d.task_id for d in s.schedule()] == ["b0"]
+        s.finish("b1")  # B's last queued task: B is still running, with nothing queued
+        s.set_admission_limit(None)
+        s.submit([Task(task_id="c0", group_id="C", prompt_tokens=10)])
+        assert [d.task_id for d in s.schedule()] == ["c0"], kind
+        assert s.pending() == 0
+        s._check_indexes()
 
 
 def test_vanilla_caps_concurrency_and_never_pauses():

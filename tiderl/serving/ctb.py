@@ -13,11 +13,17 @@ projects growth (learned online per task type) so tasks are not admitted only to
 
 Priority. `P(t) = w1·I_eval + w2·G_completion + w3·I_active + w4·L_context`, with L normalised to
 [0, 1) by `max_context`. The weights must keep the tiers lexicographic (checked in CTBConfig).
+
+Pausing. A task inside its prefill/decode (`executing`) is never paused, by the budget or by a
+preempting eval task: its turn finishes on its rank whatever the scheduler says, so pausing it
+would resume it on another rank while the turn still runs. Its KV keeps counting; a rank left
+over budget with only executing tasks is brought back once their turns end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Literal
@@ -89,6 +95,9 @@ class CTBConfig:
             )
 
 
+State = Literal["new", "active", "paused", "done"]
+
+
 @dataclasses.dataclass
 class Task:
     """What the scheduler knows of one task (one trajectory)."""
@@ -100,7 +109,7 @@ class Task:
     task_type: str = ""
     tokens: int = 0
     """Current context length (prompt + turns so far)."""
-    state: Literal["new", "active", "paused", "done"] = "new"
+    state: State = "new"
     rank: int | None = None
     """Where the task is active, or (paused) where its KV may still be resident."""
     executing: bool = False
@@ -137,8 +146,19 @@ class Resume:
 Decision = Admit | Pause | Resume
 
 
+_LIVE = ("active", "paused")
+
+
 class _Base:
-    """Bookkeeping shared by CTB and the vanilla baseline."""
+    """Bookkeeping shared by CTB and the vanilla baseline.
+
+    A round makes many decisions over thousands of tasks, so nothing a decision reads may
+    rescan every task: the active tasks of each rank, the paused tasks, the queue's size and
+    eval groups, live tasks per type and the probes of each type are indexes kept up to date.
+    Every change of a task's state or rank goes through `_move`, of its flag through
+    `_set_executing` and of its size through `update_usage`, so the indexes cannot drift from
+    the tasks; `_check_indexes` recomputes them from scratch to prove it.
+    """
 
     def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
                  max_tasks_per_rank: int | None = None):
@@ -156,22 +176,65 @@ class _Base:
         """Per task type: (sum, count) of the context lengths finished tasks reached."""
         self.growth: dict[str, tuple[int, int]] = {}
         """Per task type: (sum, count) of context growth between consecutive turns."""
-        self.horizon_turns: int | None = None
+        self._stats_version = 0
+        """Bumped whenever projected growth may change (growth, final contexts, horizon)."""
+        self._horizon_turns: int | None = None
         self._fresh: set[str] = set()
         """Tasks admitted in the current round: never preempted in the same round."""
-        """Turn limit of an episode (the runner sets it); bounds projected growth."""
         self.dead: set[int] = set()
         self.admission_limit: int | None = None
+        n = len(self.capacity)
+        self._active: list[dict[str, Task]] = [{} for _ in range(n)]
+        self._n_active = 0
+        self._paused: dict[str, Task] = {}
+        self._n_queued = 0
+        self._queue_seq: dict[str, int] = {}
+        """Group -> when it joined the queue: orders eval groups without walking the queue."""
+        self._queue_count = itertools.count()
+        self._queued_evals: dict[str, int] = {}
+        """Group -> its queued eval tasks; empty lets admission skip the eval scan."""
+        self._live_by_type: dict[str, int] = {}
+        """Task type -> its active and paused tasks (the probe waits while one is out)."""
+        self._group_type: dict[str, str] = {}
+        """Group -> the type of its first task (what `estimate` matches groups by)."""
+        self._type_probes: dict[str, dict[str, int]] = {}
+        self._type_probe_max: dict[str, int] = {}
+        self._rank_groups: list[dict[str, dict[str, int]]] = [{} for _ in range(n)]
+        """Per rank: task type -> group -> its active tasks there (admission's diversity)."""
+        self._dirty = [True] * n
+        """Per rank: its cached usage is stale (CTB recomputes it on the next read)."""
+
+    @property
+    def horizon_turns(self) -> int | None:
+        """Turn limit of an episode (the runner sets it); bounds projected growth."""
+        return self._horizon_turns
+
+    @horizon_turns.setter
+    def horizon_turns(self, n: int | None) -> None:
+        self._horizon_turns = n
+        self._stats_version += 1
 
     # -- inputs -------------------------------------------------------------------------------
     def submit(self, tasks: Iterable[Task]) -> None:
         for t in tasks:
             if t.task_id in self.tasks:
                 raise ValueError(f"task {t.task_id!r} submitted twice")
+            if t.state != "new":
+                raise ValueError(f"task {t.task_id!r} is submitted in state {t.state!r}; "
+                                 "submit a fresh Task (state 'new')")
             self.tasks[t.task_id] = t
-            self.groups.setdefault(t.group_id, []).append(t.task_id)
+            if t.group_id not in self.groups:
+                self.groups[t.group_id] = []
+                self._group_type[t.group_id] = t.task_type
+            self.groups[t.group_id].append(t.task_id)
             self.group_done.setdefault(t.group_id, 0)
-            self.queue.setdefault(t.group_id, []).append(t.task_id)
+            if t.group_id not in self.queue:
+                self._queue_seq[t.group_id] = next(self._queue_count)
+                self.queue[t.group_id] = []
+            self.queue[t.group_id].append(t.task_id)
+            self._n_queued += 1
+            if t.is_eval:
+                self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
 
     def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None) -> None:
         """Called at the start of every turn with the task's context length."""
@@ -179,33 +242,40 @@ class _Base:
         if t.measured and tokens > t.tokens:
             total, n = self.growth.get(t.task_type, (0, 0))
             self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
+            self._stats_version += 1
         t.tokens, t.measured = tokens, True
         t.turns += 1
+        if t.state == "active":
+            self._dirty[t.rank] = True
         if executing is not None:
-            t.executing = executing
-        self.group_probe.setdefault(t.group_id, tokens)
+            self._set_executing(t, executing)
+        if t.group_id not in self.group_probe:
+            self._add_probe(t.group_id, tokens)
 
     def set_executing(self, task_id: str, executing: bool) -> None:
-        self.tasks[task_id].executing = executing
+        self._set_executing(self.tasks[task_id], executing)
 
     def finish(self, task_id: str) -> None:
         t = self.tasks[task_id]
         if t.state == "done":
             return
         if t.state == "new":
-            self.queue[t.group_id].remove(task_id)
+            self._dequeue(t, drop_empty=False)
         if t.measured:
             total, n = self.final_context.get(t.task_type, (0, 0))
             self.final_context[t.task_type] = (total + t.tokens, n + 1)
-        t.state, t.executing = "done", False
+            self._stats_version += 1
+        self._set_executing(t, False)
+        self._move(t, "done", t.rank)
         self.group_done[t.group_id] += 1
         if self.group_done[t.group_id] == len(self.groups[t.group_id]):
             # The whole group is over: forget it (long runs would otherwise grow without bound).
             for tid in self.groups.pop(t.group_id):
                 del self.tasks[tid]
             del self.group_done[t.group_id]
-            self.group_probe.pop(t.group_id, None)
-            self.queue.pop(t.group_id, None)
+            self._drop_probe(t.group_id)
+            if t.group_id in self.queue:
+                self._unqueue_group(t.group_id)
 
     def set_admission_limit(self, n: int | None) -> None:
         """Staleness throttle from the controller: how many more tasks may start (None: any)."""
@@ -216,30 +286,29 @@ class _Base:
         self.dead.add(rank)
         moved = []
         for t in self.tasks.values():
-            if t.rank == rank and t.state in ("active", "paused"):
-                t.state, t.rank, t.executing = "paused", None, False
+            if t.rank == rank and t.state in _LIVE:
+                self._set_executing(t, False)
+                self._move(t, "paused", None)
                 moved.append(t.task_id)
         return moved
 
     def flush(self) -> None:
         """Weight sync: every rank's KV is stale, so paused tasks lose their residency."""
-        for t in self.tasks.values():
-            if t.state == "paused":
-                t.rank = None
+        for t in list(self._paused.values()):
+            self._move(t, "paused", None)
 
     # -- views --------------------------------------------------------------------------------
     def live_ranks(self) -> list[int]:
         return [r for r in range(len(self.capacity)) if r not in self.dead]
 
     def active_on(self, rank: int) -> list[Task]:
-        return [t for t in self.tasks.values() if t.state == "active" and t.rank == rank]
+        return list(self._active[rank].values())
 
     def n_active(self) -> int:
-        return sum(t.state == "active" for t in self.tasks.values())
+        return self._n_active
 
     def pending(self) -> int:
-        return sum(len(v) for v in self.queue.values()) + sum(
-            t.state == "paused" for t in self.tasks.values())
+        return self._n_queued + len(self._paused)
 
     def completion(self, group_id: str) -> float:
         return self.group_done[group_id] / len(self.groups[group_id])
@@ -252,9 +321,191 @@ class _Base:
         self.admission_limit -= 1
         return True
 
+    # -- index upkeep -------------------------------------------------------------------------
+    def _move(self, t: Task, state: State, rank: int | None) -> None:
+        """The only place a task's state or rank changes."""
+        old = t.state
+        if old == "active":
+            self._leave(t)
+        elif old == "paused" and state != "paused":
+            del self._paused[t.task_id]
+        if (old in _LIVE) != (state in _LIVE):
+            n = self._live_by_type.get(t.task_type, 0) + (1 if state in _LIVE else -1)
+            if n:
+                self._live_by_type[t.task_type] = n
+            else:
+                del self._live_by_type[t.task_type]
+        t.state, t.rank = state, rank
+        if state == "active":
+            self._join(t)
+        elif state == "paused":
+            self._paused[t.task_id] = t
+
+    def _join(self, t: Task) -> None:
+        r = t.rank
+        assert r is not None
+        self._active[r][t.task_id] = t
+        self._n_active += 1
+        groups = self._rank_groups[r].setdefault(t.task_type, {})
+        groups[t.group_id] = groups.get(t.group_id, 0) + 1
+        self._load_join(r, t)
+
+    def _leave(self, t: Task) -> None:
+        r = t.rank
+        assert r is not None
+        del self._active[r][t.task_id]
+        self._n_active -= 1
+        groups = self._rank_groups[r][t.task_type]
+        groups[t.group_id] -= 1
+        if not groups[t.group_id]:
+            del groups[t.group_id]
+            if not groups:
+                del self._rank_groups[r][t.task_type]
+        self._load_leave(r, t)
+
+    def _load_join(self, rank: int, t: Task) -> None:
+        """Hook: `t` became active on `rank` (CTB keeps the rank's usage current)."""
+
+    def _load_leave(self, rank: int, t: Task) -> None:
+        """Hook: `t` stopped being active on `rank`."""
+
+    def _set_executing(self, t: Task, executing: bool) -> None:
+        # Not indexed: it changes neither usage nor any set; rounds read it from the task.
+        t.executing = executing
+
+    def _dequeue(self, t: Task, *, drop_empty: bool) -> None:
+        tids = self.queue[t.group_id]
+        tids.remove(t.task_id)
+        self._n_queued -= 1
+        if t.is_eval:
+            left = self._queued_evals[t.group_id] - 1
+            if left:
+                self._queued_evals[t.group_id] = left
+            else:
+                del self._queued_evals[t.group_id]
+        if drop_empty and not tids:
+            self._unqueue_group(t.group_id)
+
+    def _unqueue_group(self, group_id: str) -> None:
+        del self.queue[group_id], self._queue_seq[group_id]
+
+    def _eval_groups(self) -> list[str]:
+        """The groups holding queued eval tasks, in queue order."""
+        return sorted(self._queued_evals, key=self._queue_seq.__getitem__)
+
+    def _queue_positions(self, group_ids: set[str]) -> dict[str, int]:
+        pos: dict[str, int] = {}
+        for i, gid in enumerate(self.queue):
+            if gid in group_ids:
+                pos[gid] = i
+                if len(pos) == len(group_ids):
+                    break
+        return pos
+
+    def _add_probe(self, group_id: str, tokens: int) -> None:
+        self.group_probe[group_id] = tokens
+        kind = self._group_type[group_id]
+        self._type_probes.setdefault(kind, {})[group_id] = tokens
+        top = self._type_probe_max.get(kind)
+        if top is None or tokens > top:
+            # Unmeasured tasks of every group of this type without a probe are sized by it.
+            self._type_probe_max[kind] = tokens
+            self._dirty = [True] * len(self._dirty)
+            return
+        for tid in self.groups[group_id]:  # its own unmeasured tasks switch to it
+            s = self.tasks[tid]
+            if s.state == "active":
+                self._dirty[s.rank] = True
+
+    def _drop_probe(self, group_id: str) -> None:
+        probe = self.group_probe.pop(group_id, None)
+        kind = self._group_type.pop(group_id)
+        if probe is None:
+            return
+        probes = self._type_probes[kind]
+        del probes[group_id]
+        top = max(probes.values()) if probes else None
+        if top != self._type_probe_max[kind]:
+            if top is None:
+                del self._type_probes[kind], self._type_probe_max[kind]
+            else:
+                self._type_probe_max[kind] = top
+            self._dirty = [True] * len(self._dirty)
+
+    def _check_indexes(self) -> None:
+        """Recomputes every index from the tasks and raises AssertionError on a mismatch."""
+
+        def expect(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"scheduler index out of step: {what}")
+
+        n = len(self.capacity)
+        active: list[dict[str, Task]] = [{} for _ in range(n)]
+        rank_groups: list[dict[str, dict[str, int]]] = [{} for _ in range(n)]
+        paused: set[str] = set()
+        live: dict[str, int] = {}
+        for tid, t in self.tasks.items():
+            expect(t.task_id == tid, f"task {tid!r} is stored under another id")
+            if t.state == "active":
+                expect(t.rank is not None and t.rank not in self.dead,
+                       f"active task {tid!r} has no live rank ({t.rank})")
+                active[t.rank][tid] = t
+                g = rank_groups[t.rank].setdefault(t.task_type, {})
+                g[t.group_id] = g.get(t.group_id, 0) + 1
+            elif t.state == "paused":
+                paused.add(tid)
+            if t.state in _LIVE:
+                live[t.task_type] = live.get(t.task_type, 0) + 1
+        for r in range(n):
+            expect(self._active[r].keys() == active[r].keys(), f"active set of rank {r}")
+            expect(all(self._active[r][tid] is t for tid, t in active[r].items()),
+                   f"rank {r} indexes a stale Task object")
+        expect(self._n_active == sum(map(len, active)), "active count")
+        expect(self._paused.keys() == paused, "paused set")
+        expect(all(self._paused[tid] is self.tasks[tid] for tid in paused), "paused objects")
+        expect(self._live_by_type == live, "live tasks per type")
+        expect(self._rank_groups == rank_groups, "groups per rank and type")
+        queued = [tid for tids in self.queue.values() for tid in tids]
+        expect(len(queued) == len(set(queued)) == self._n_queued, "queued count")
+        expect(set(queued) == {tid for tid, t in self.tasks.items() if t.state == "new"},
+               "queue holds exactly the new tasks")
+        expect(sorted(self._queue_seq, key=self._queue_seq.__getitem__) == list(self.queue),
+               "queue order")
+        evals = {g: k for g, tids in self.queue.items()
+                 if (k := sum(self.tasks[tid].is_eval for tid in tids))}
+        expect(self._queued_evals == evals, "queued eval tasks per group")
+        kinds = {g: self.tasks[tids[0]].task_type for g, tids in self.groups.items()}
+        expect(self._group_type == kinds, "group types")
+        probes: dict[str, dict[str, int]] = {}
+        for g, p in self.group_probe.items():
+            probes.setdefault(kinds[g], {})[g] = p
+        expect(self._type_probes == probes, "probes per type")
+        expect(self._type_probe_max == {k: max(v.values()) for k, v in probes.items()},
+               "largest probe per type")
+
 
 class CTBScheduler(_Base):
-    """Algorithm 1: per-rank token budgets, RL-aware priority, pause/resume, group affinity."""
+    """Algorithm 1: per-rank token budgets, RL-aware priority, pause/resume, group affinity.
+
+    Each rank's usage (current sizes, and the grown sizes admission plans with) is cached:
+    updated in O(1) as tasks join or leave the rank, recomputed over the rank's active tasks
+    only after something its tasks' sizes depend on changed (a turn, a probe, growth stats).
+    """
+
+    def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
+                 max_tasks_per_rank: int | None = None):
+        super().__init__(cfg, capacities, max_context=max_context,
+                         max_tasks_per_rank=max_tasks_per_rank)
+        n = len(self.capacity)
+        self._own = [0] * n
+        """Per rank: what its active tasks need besides shared prompts (all of it without)."""
+        self._prompt_max: list[dict[str, int]] = [{} for _ in range(n)]
+        self._prompt_sum = [0] * n
+        """Per rank, with `shared_prompts`: each group's prompt, counted once."""
+        self._grown_own = [0] * n
+        """`_own` at the grown sizes `plan_growth` admits by; valid at `_grown_version`."""
+        self._grown_version = [-1] * n
+        self._admit_memo: list[dict[str, bool]] = [{} for _ in range(n)]
 
     def budget(self, rank: int) -> int:
         return int(self.capacity[rank] * self.cfg.budget_fraction)
@@ -267,17 +518,107 @@ class CTBScheduler(_Base):
 
     def usage(self, rank: int, extra: Task | None = None) -> int:
         """KV tokens the rank's active tasks (plus `extra`) need; shared prompts count once."""
-        return self._usage_of(self.active_on(rank) + ([extra] if extra is not None else []))
+        self._refresh(rank)
+        used = self._own[rank] + self._prompt_sum[rank]
+        if extra is not None:
+            used += self._marginal(rank, extra, self.footprint(extra))
+        return used
 
     def _usage_of(self, tasks: list[Task]) -> int:
+        return self._sum_usage([(t, self.footprint(t)) for t in tasks])
+
+    def _sum_usage(self, sized: list[tuple[Task, int]]) -> int:
+        reserve = self.cfg.action_reserve
         if not self.cfg.shared_prompts:
-            return sum(self.footprint(t) + self.cfg.action_reserve for t in tasks)
+            return sum(size + reserve for _, size in sized)
         prompts: dict[str, int] = {}
         own = 0
-        for t in tasks:
+        for t, size in sized:
             prompts[t.group_id] = max(prompts.get(t.group_id, 0), t.prompt_tokens)
-            own += self.footprint(t) - t.prompt_tokens + self.cfg.action_reserve
+            own += size - t.prompt_tokens + reserve
         return sum(prompts.values()) + own
+
+    def _marginal(self, rank: int, t: Task, size: int) -> int:
+        """What `t`, at `size`, adds to the rank's (fresh) usage."""
+        extra = size + self.cfg.action_reserve
+        if self.cfg.shared_prompts:
+            held = self._prompt_max[rank].get(t.group_id, 0)
+            extra += max(held, t.prompt_tokens) - held - t.prompt_tokens
+        return extra
+
+    def _refresh(self, rank: int) -> None:
+        if not self._dirty[rank]:
+            return
+        reserve, shared = self.cfg.action_reserve, self.cfg.shared_prompts
+        own = 0
+        prompts: dict[str, int] = {}
+        for t in self._active[rank].values():
+            own += self.footprint(t) + reserve
+            if shared:
+                own -= t.prompt_tokens
+                prompts[t.group_id] = max(prompts.get(t.group_id, 0), t.prompt_tokens)
+        self._own[rank], self._prompt_max[rank] = own, prompts
+        self._prompt_sum[rank] = sum(prompts.values())
+        self._grown_version[rank] = -1
+        self._dirty[rank] = False
+
+    def _grown_usage(self, rank: int) -> int:
+        """`usage` with every active task at its grown size (see `_admit_fits`)."""
+        self._refresh(rank)
+        if self._grown_version[rank] != self._stats_version:
+            reserve, shared = self.cfg.action_reserve, self.cfg.shared_prompts
+            self._grown_own[rank] = sum(
+                self._grown_size(t) + reserve - (t.prompt_tokens if shared else 0)
+                for t in self._active[rank].values())
+            self._grown_version[rank] = self._stats_version
+        return self._grown_own[rank] + self._prompt_sum[rank]
+
+    def _load_join(self, rank: int, t: Task) -> None:
+        if self._admit_memo[rank]:
+            self._admit_memo[rank].clear()
+        if self._dirty[rank]:
+            return
+        reserve = self.cfg.action_reserve
+        own = t.prompt_tokens if self.cfg.shared_prompts else 0
+        self._own[rank] += self.footprint(t) + reserve - own
+        if self._grown_version[rank] == self._stats_version:
+            self._grown_own[rank] += self._grown_size(t) + reserve - own
+        if self.cfg.shared_prompts:
+            prompts = self._prompt_max[rank]
+            held = prompts.get(t.group_id, 0)
+            prompts[t.group_id] = max(held, t.prompt_tokens)
+            self._prompt_sum[rank] += prompts[t.group_id] - held
+
+    def _load_leave(self, rank: int, t: Task) -> None:
+        if self._admit_memo[rank]:
+            self._admit_memo[rank].clear()
+        if self._dirty[rank]:
+            return
+        if self.cfg.shared_prompts:
+            # The group's prompt may be held by siblings still there: recount on the next read.
+            self._dirty[rank] = True
+            return
+        # Sizes are those summed in: any change to them marked the rank dirty.
+        self._own[rank] -= self.footprint(t) + self.cfg.action_reserve
+        if self._grown_version[rank] == self._stats_version:
+            self._grown_own[rank] -= self._grown_size(t) + self.cfg.action_reserve
+
+    def _check_indexes(self) -> None:
+        super()._check_indexes()
+        for r in range(len(self.capacity)):
+            tasks = self.active_on(r)
+            if not self._dirty[r]:
+                fresh = self._usage_of(tasks)
+                if self._own[r] + self._prompt_sum[r] != fresh:
+                    raise AssertionError(f"scheduler index out of step: rank {r} usage "
+                                         f"{self._own[r] + self._prompt_sum[r]} != {fresh}")
+                if self._grown_version[r] == self._stats_version:
+                    grown = self._sum_usage([(t, self._grown_size(t)) for t in tasks])
+                    if self._grown_own[r] + self._prompt_sum[r] != grown:
+                        raise AssertionError(f"scheduler index out of step: rank {r} grown "
+                                             f"usage {self._grown_own[r]} != {grown}")
+            if self.usage(r) != self._usage_of(tasks):
+                raise AssertionError(f"scheduler index out of step: rank {r} usage")
 
     def footprint(self, t: Task) -> int:
         """The measured context; before the task's first turn, the probed estimate."""
@@ -285,32 +626,34 @@ class CTBScheduler(_Base):
             return t.tokens
         return max(t.tokens, self.estimate(t) or 0)
 
+    def _probe_size(self, t: Task) -> int:
+        """What `t` would hold if it joined a rank now (never less than its prompt)."""
+        return max(self.footprint(t), t.prompt_tokens)
+
     def estimate(self, t: Task) -> int | None:
         """First-turn footprint of `t`'s group: its probe, else the largest probe among groups
         of the same task type; None when nothing is known yet."""
-        if t.group_id in self.group_probe:
-            return self.group_probe[t.group_id]
-        same = [self.group_probe[g] for g, tids in self.groups.items()
-                if g in self.group_probe and self.tasks[tids[0]].task_type == t.task_type]
-        return max(same) if same else None
+        probe = self.group_probe.get(t.group_id)
+        if probe is not None:
+            return probe
+        return self._type_probe_max.get(t.task_type)
 
     def _probing(self, t: Task) -> bool:
         """`t`'s size (or, planning growth, its type's growth) is unknown and a task already
         went ahead as the probe: wait for the probe's first turns."""
         if self._growth_unknown(t):
-            return any(s.state in ("active", "paused") and s.task_type == t.task_type
-                       for s in self.tasks.values())
+            return self._live_by_type.get(t.task_type, 0) > 0
         if t.prompt_tokens or self.estimate(t) is not None:
             return False
-        return any(self.tasks[s].state in ("active", "paused") and not self.tasks[s].measured
+        return any(self.tasks[s].state in _LIVE and not self.tasks[s].measured
                    for s in self.groups[t.group_id])
 
     def _fits(self, t: Task, rank: int) -> bool:
         if self.max_tasks_per_rank is not None and not (t.state == "active" and t.rank == rank) \
-                and len(self.active_on(rank)) >= self.max_tasks_per_rank:
+                and len(self._active[rank]) >= self.max_tasks_per_rank:
             return False
-        probe = dataclasses.replace(t, tokens=self.footprint(t))
-        return self.usage(rank, probe) <= self.budget(rank)
+        return self.usage(rank) + self._marginal(rank, t, self._probe_size(t)) \
+            <= self.budget(rank)
 
     def expected_final(self, task_type: str) -> int | None:
         """Mean context length finished tasks of `task_type` reached; None before the first."""
@@ -330,18 +673,26 @@ class CTBScheduler(_Base):
             return min(self.max_context, now + int(h * total * left / n))
         return None
 
+    def _grown_size(self, t: Task) -> int:
+        return max(self.projected(t) or 0, self.footprint(t), t.prompt_tokens)
+
+    def _admit_fits_now(self, t: Task, rank: int) -> bool:
+        """`_admit_fits`, remembered for the round: within a round nothing that sizes a task
+        changes, so the answer holds until `rank`'s active set does (`_join`, `_leave`)."""
+        memo = self._admit_memo[rank]
+        fits = memo.get(t.task_id)
+        if fits is None:
+            fits = memo[t.task_id] = self._admit_fits(t, rank)
+        return fits
+
     def _admit_fits(self, t: Task, rank: int) -> bool:
         """`_fits` for a new task; with `plan_growth`, at everyone's projected final size."""
         if not self._fits(t, rank):
             return False
         if not self.cfg.plan_growth or t.is_eval:
             return True
-        grown = []
-        for s in self.active_on(rank) + [t]:
-            size = self.projected(s)
-            grown.append(dataclasses.replace(s, tokens=max(size or 0, self.footprint(s)),
-                                             measured=True))
-        return self._usage_of(grown) <= self.budget(rank)
+        return self._grown_usage(rank) + self._marginal(rank, t, self._grown_size(t)) \
+            <= self.budget(rank)
 
     def _growth_unknown(self, t: Task) -> bool:
         """Planning growth, but neither finished tasks nor a second turn of `t`'s type yet."""
@@ -367,121 +718,200 @@ class CTBScheduler(_Base):
         return max((r for r in ranks if self._fits(t, r)),
                    key=lambda r: (self.budget(r) - self.usage(r), -r))
 
+    def _pausable(self, t: Task) -> bool:
+        """Eviction candidate for an eval task: a task inside its prefill/decode finishes that
+        turn on its rank (pausing it would resume it elsewhere mid-turn), one admitted this
+        round has not started, and an eval task blocks the weight sync as much as `t` does."""
+        return not (t.is_eval or t.executing or t.task_id in self._fresh)
+
     def schedule(self) -> list[Decision]:
         """One scheduling round; returns the decisions in the order they must be applied."""
         out: list[Decision] = []
         self._fresh = set()
+        for memo in self._admit_memo:  # sizes and stats may have changed since the last round
+            memo.clear()
         ranks = self.live_ranks()
-        # 1. Pause the lowest priority while a rank is over budget (never below one task).
+        self._pause_over_budget(ranks, out)
+        self._resume_paused(ranks, out)
+        self._admit_new(ranks, out)
+        return out
+
+    def _pause(self, t: Task, rank: int, out: list[Decision]) -> None:
+        self._set_executing(t, False)
+        self._move(t, "paused", rank)
+        out.append(Pause(t.task_id, rank))
+
+    def _pause_over_budget(self, ranks: list[int], out: list[Decision]) -> None:
+        """1. Pause the lowest priority while a rank is over budget (never below one task).
+        An executing task is never paused: its turn ends on this rank whatever we decide, and
+        its KV keeps counting here. When only executing tasks are left the rank stays over
+        budget until a later round (after `set_executing(..., False)`) can pause one."""
         for r in ranks:
-            while self.usage(r) > self.budget(r) and len(self.active_on(r)) > 1:
-                victim = min(self.active_on(r), key=lambda t: (self.priority(t), t.task_id))
-                victim.state, victim.executing = "paused", False
-                out.append(Pause(victim.task_id, r))
-        # 2. Resume paused tasks, highest priority first, on their affinity rank when it fits.
-        #    Eval tasks are anchored to weights and block the sync: one that fits nowhere
-        #    preempts non-eval tasks on a rank where that makes room.
-        while True:
-            chosen = None
-            room = self.n_active() < self.cfg.env_concurrency
-            paused = sorted((t for t in self.tasks.values() if t.state == "paused"),
-                            key=lambda t: (-self.priority(t), t.task_id))
-            for t in paused:
-                if room and any(self._fits(t, r) for r in ranks):
-                    chosen = t
+            budget = self.budget(r)
+            if self.usage(r) <= budget:
+                continue
+            active = self._active[r]
+            # Pausing one task changes no other's priority: one sort gives the order.
+            victims = sorted((t for t in active.values() if not t.executing),
+                             key=lambda t: (self.priority(t), t.task_id))
+            for victim in victims:
+                if len(active) <= 1 or self.usage(r) <= budget:
                     break
+                self._pause(victim, r, out)
+
+    def _best_headroom(self, ranks: list[int]) -> int | None:
+        """The most room any rank with a free slot has left; None when none has a slot."""
+        cap = self.max_tasks_per_rank
+        heads = [self.budget(r) - self.usage(r) for r in ranks
+                 if cap is None or len(self._active[r]) < cap]
+        return max(heads) if heads else None
+
+    def _least_need(self, t: Task) -> int:
+        """The least `t` adds to any rank: its own tokens (its prompt may be there already)."""
+        need = self._probe_size(t) + self.cfg.action_reserve
+        return need - t.prompt_tokens if self.cfg.shared_prompts else need
+
+    def _resume_paused(self, ranks: list[int], out: list[Decision]) -> None:
+        """2. Resume paused tasks, highest priority first, on their affinity rank when it fits.
+        Eval tasks are anchored to weights and block the sync: one that fits nowhere preempts
+        non-eval tasks on a rank where that makes room.
+
+        A resume only takes room, so a task that did not qualify still does not: the scan goes
+        on from where it is, and a task needing more than the best headroom is passed over
+        without trying every rank. A preemption frees room: the scan starts over. It ends
+        because evals are never preempted and each start-over resumes one more."""
+        conc = self.cfg.env_concurrency
+        preempted = True
+        while preempted:
+            preempted = False
+            head = self._best_headroom(ranks)
+            found = [t for t in self._paused.values() if t.is_eval or (
+                head is not None and self._n_active < conc and self._least_need(t) <= head)]
+            found.sort(key=lambda t: (-self.priority(t), t.task_id))
+            for t in found:
+                if self._n_active < conc and head is not None and \
+                        self._least_need(t) <= head and any(self._fits(t, r) for r in ranks):
+                    self._resume(t, ranks, out)
+                    head = self._best_headroom(ranks)
+                    continue
                 r = self._preemptible_rank(t, ranks) if t.is_eval else None
                 if r is not None:
                     out.extend(self._preempt_on(t, r))
-                    chosen = t
+                    self._resume(t, ranks, out)
+                    preempted = True
                     break
-            if chosen is None:
-                break
-            rank = self.resume_rank(chosen, ranks)
-            migrated = chosen.rank is None or chosen.rank != rank
-            chosen.state, chosen.rank = "active", rank
-            out.append(Resume(chosen.task_id, rank, migrated))
-        # 3. Admit new tasks while budgets, env concurrency and the staleness throttle allow.
-        #    Paused tasks that fit somewhere were all resumed above, so none is overtaken. A new
-        #    eval task that fits nowhere preempts non-eval tasks, as a paused one does. Evals go
-        #    first, so a preempting eval never pauses a task admitted in this same round.
+
+    def _resume(self, t: Task, ranks: list[int], out: list[Decision]) -> None:
+        rank = self.resume_rank(t, ranks)
+        migrated = t.rank is None or t.rank != rank
+        self._move(t, "active", rank)
+        out.append(Resume(t.task_id, rank, migrated))
+
+    def _admit_new(self, ranks: list[int], out: list[Decision]) -> None:
+        """3. Admit new tasks while budgets, env concurrency and the staleness throttle allow.
+        Paused tasks that fit somewhere were all resumed above, so none is overtaken. A new
+        eval task that fits nowhere preempts non-eval tasks, as a paused one does. Evals go
+        first, so a preempting eval never pauses a task admitted in this same round."""
+        # Admissions only take room: an eval that cannot preempt now cannot later this round,
+        # until a preemption frees some.
+        stuck: set[str] = set()
         while True:
-            room = self.n_active() < self.cfg.env_concurrency
-            pick = self._pick_new(ranks, evals_only=True) if room else None
-            if pick is None:
-                pick = self._pick_eval_by_preemption(ranks, out)
+            room = self._n_active < self.cfg.env_concurrency
+            pick = self._pick_new(ranks, evals_only=True) if room and self._queued_evals \
+                else None
+            if pick is None and self._queued_evals:
+                pick = self._pick_eval_by_preemption(ranks, out, stuck)
             if pick is None and room:
                 pick = self._pick_new(ranks)
             if pick is None or not self._take_admission():
                 break
             t, rank = pick
-            self.queue[t.group_id].remove(t.task_id)
-            if not self.queue[t.group_id]:
-                del self.queue[t.group_id]
-            t.state, t.rank = "active", rank
+            self._dequeue(t, drop_empty=True)
+            self._move(t, "active", rank)
             self._fresh.add(t.task_id)
             out.append(Admit(t.task_id, rank))
-        return out
 
     def _preemptible_rank(self, t: Task, ranks: list[int]) -> int | None:
         """A rank where pausing non-eval tasks makes room for eval task `t`, if any."""
-        fresh = self._fresh
+        size = self._probe_size(t)
+        cap = self.max_tasks_per_rank
         for r in ranks:
-            active = self.active_on(r)
-            keep = [s for s in active if s.is_eval or s.task_id in fresh]
-            probe = dataclasses.replace(t, tokens=self.footprint(t), state="active", rank=r)
-            room = self.n_active() - (len(active) - len(keep)) < self.cfg.env_concurrency
-            if len(keep) < len(active) and room and \
-                    self._usage_of(keep + [probe]) <= self.budget(r):
+            active = self._active[r]
+            keep = [s for s in active.values() if not self._pausable(s)]
+            if len(keep) == len(active) or (cap is not None and len(keep) >= cap):
+                continue
+            if self._n_active - (len(active) - len(keep)) >= self.cfg.env_concurrency:
+                continue
+            if self._sum_usage([(s, self.footprint(s)) for s in keep] + [(t, size)]) \
+                    <= self.budget(r):
                 return r
         return None
 
-    def _preempt_on(self, t: Task, r: int) -> list[Pause]:
-        out: list[Pause] = []
-        while not (self._fits(t, r) and self.n_active() < self.cfg.env_concurrency):
-            fresh = self._fresh
-            victim = min((s for s in self.active_on(r)
-                          if not s.is_eval and s.task_id not in fresh),
+    def _preempt_on(self, t: Task, r: int) -> list[Decision]:
+        """Pauses pausable tasks on `r`, lowest priority first, until `t` fits there; it does
+        once all are paused (what `_preemptible_rank` checked)."""
+        out: list[Decision] = []
+        victims = sorted((s for s in self._active[r].values() if self._pausable(s)),
                          key=lambda s: (self.priority(s), s.task_id))
-            victim.state, victim.executing = "paused", False
-            out.append(Pause(victim.task_id, r))
+        for victim in victims:
+            if self._fits(t, r) and self._n_active < self.cfg.env_concurrency:
+                break
+            self._pause(victim, r, out)
         return out
 
-    def _pick_eval_by_preemption(self, ranks: list[int],
-                                  out: list[Decision]) -> tuple[Task, int] | None:
-        for tids in self.queue.values():
-            t = self.tasks[tids[0]]
-            if not t.is_eval:
+    def _pick_eval_by_preemption(self, ranks: list[int], out: list[Decision],
+                                 stuck: set[str]) -> tuple[Task, int] | None:
+        if self.admission_limit is not None and self.admission_limit <= 0:
+            return None
+        for gid in self._eval_groups():
+            tids = self.queue[gid]
+            if not tids or not self.tasks[tids[0]].is_eval or tids[0] in stuck:
                 continue
+            t = self.tasks[tids[0]]
             r = self._preemptible_rank(t, ranks)
-            if r is not None and (self.admission_limit is None or self.admission_limit > 0):
-                out.extend(self._preempt_on(t, r))
-                return t, r
+            if r is None:
+                stuck.add(t.task_id)
+                continue
+            out.extend(self._preempt_on(t, r))
+            stuck.clear()
+            return t, r
         return None
 
     def _pick_new(self, ranks: list[int], *, evals_only: bool = False
                   ) -> tuple[Task, int] | None:
-        best: tuple[float, Task, int] | None = None
-        for pos, (gid, tids) in enumerate(self.queue.items()):
+        if evals_only:
+            groups = [(gid, self.queue[gid]) for gid in self._eval_groups()]
+        else:
+            groups = list(itertools.islice(self.queue.items(), self.cfg.lookahead))
+        options: list[tuple[str, Task, int]] = []
+        for gid, tids in groups:
             if not tids or (evals_only and not self.tasks[tids[0]].is_eval):
                 continue
-            if pos >= self.cfg.lookahead and not evals_only:
-                break
             t = self.tasks[tids[0]]
             if self._probing(t):
                 continue  # siblings wait for the probe's first turn to size them
             # Eval groups jump the queue; siblings go where the group already is.
             home = self.affinity(t)
-            candidates = [home] if home is not None and self._admit_fits(t, home) else [
-                r for r in ranks if self._admit_fits(t, r)]
-            for r in candidates:
-                same = {s.group_id for s in self.active_on(r)
-                        if s.task_type == t.task_type and s.group_id != gid}
-                score = pos + self.cfg.diversity_weight * len(same) - 1e6 * t.is_eval
-                score -= 1e-6 * (self.budget(r) - self.usage(r))  # ties: most headroom
-                if best is None or score < best[0]:
-                    best = (score, t, r)
-        return None if best is None else (best[1], best[2])
+            candidates = [home] if home is not None and self._admit_fits_now(t, home) else [
+                r for r in ranks if self._admit_fits_now(t, r)]
+            options.extend((gid, t, r) for r in candidates)
+        if not options:
+            return None
+        # Scores count queue positions; eval groups may sit anywhere in the queue, so theirs
+        # are looked up only when one can be admitted.
+        pos = self._queue_positions({gid for gid, _, _ in options}) if evals_only else {
+            gid: i for i, (gid, _) in enumerate(groups)}
+        heads = {r: self.budget(r) - self.usage(r) for r in {r for _, _, r in options}}
+        weight = self.cfg.diversity_weight
+        best: tuple[float, Task, int] | None = None
+        for gid, t, r in options:
+            same = self._rank_groups[r].get(t.task_type, {})
+            score = pos[gid] + weight * (len(same) - (gid in same)) - 1e6 * t.is_eval
+            score -= 1e-6 * heads[r]  # ties: most headroom
+            if best is None or score < best[0]:
+                best = (score, t, r)
+        assert best is not None
+        return best[1], best[2]
 
 
 class VanillaScheduler(_Base):
@@ -498,22 +928,26 @@ class VanillaScheduler(_Base):
         out: list[Decision] = []
         ranks = self.live_ranks()
         cap = min(self.cfg.vanilla_concurrency, self.cfg.env_concurrency)
-        paused = [t for t in self.tasks.values() if t.state == "paused"]
-        for t in sorted(paused, key=lambda t: t.task_id):  # migrated off a quarantined rank
-            if self.n_active() >= cap or not ranks:
+
+        def least_loaded() -> int:
+            return min(ranks, key=lambda r: (len(self._active[r]), r))
+
+        for t in sorted(self._paused.values(), key=lambda t: t.task_id):  # off a dead rank
+            if self._n_active >= cap or not ranks:
                 break
-            rank = min(ranks, key=lambda r: (len(self.active_on(r)), r))
-            t.state, t.rank = "active", rank
+            rank = least_loaded()
+            self._move(t, "active", rank)
             out.append(Resume(t.task_id, rank, True))
-        while self.n_active() < cap and self.queue and ranks and self._take_admission():
-            gid = next(iter(self.queue))
-            tid = self.queue[gid].pop(0)
-            if not self.queue[gid]:
-                del self.queue[gid]
-            t = self.tasks[tid]
-            rank = min(ranks, key=lambda r: (len(self.active_on(r)), r))
-            t.state, t.rank = "active", rank
-            out.append(Admit(tid, rank))
+        while self._n_active < cap and self._n_queued and ranks and self._take_admission():
+            gid, tids = next(iter(self.queue.items()))
+            while not tids:  # a group whose queued tasks were all finished before admission
+                self._unqueue_group(gid)
+                gid, tids = next(iter(self.queue.items()))
+            t = self.tasks[tids[0]]
+            self._dequeue(t, drop_empty=True)
+            rank = least_loaded()
+            self._move(t, "active", rank)
+            out.append(Admit(t.task_id, rank))
         return out
 
 
