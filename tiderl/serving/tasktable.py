@@ -1,0 +1,407 @@
+"""The schedulers' task table: tasks, groups, the queue and per-rank indexes. No JAX.
+
+Shared by CTB and the request-level baseline (`tiderl.serving.ctb`). A round makes many
+decisions over thousands of tasks, so nothing a decision reads may rescan every task: the
+active tasks of each rank, the paused tasks, the queue's size and eval groups, live tasks per
+type and the probes of each type are indexes kept up to date.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from tiderl.serving.ctb import CTBConfig
+
+
+State = Literal["new", "active", "paused", "done"]
+
+
+@dataclasses.dataclass
+class Task:
+    """What the scheduler knows of one task (one trajectory)."""
+
+    task_id: str
+    group_id: str
+    prompt_tokens: int
+    is_eval: bool = False
+    task_type: str = ""
+    tokens: int = 0
+    """Current context length (prompt + turns so far)."""
+    state: State = "new"
+    rank: int | None = None
+    """Where the task is active, or (paused) where its KV may still be resident."""
+    executing: bool = False
+    """In a prefill/decode now (vs waiting on its environment)."""
+    measured: bool = False
+    """Its context length has been reported (`update_usage`); until then usage uses the probe."""
+    turns: int = 0
+    """Turns started (`update_usage` calls)."""
+
+    def __post_init__(self):
+        self.tokens = max(self.tokens, self.prompt_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admit:
+    task_id: str
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    task_id: str
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    task_id: str
+    rank: int
+    migrated: bool
+    """True when the task resumes on a rank other than the one that held its KV."""
+
+
+Decision = Admit | Pause | Resume
+
+
+LIVE_STATES = ("active", "paused")
+
+
+class TaskTable:
+    """Bookkeeping shared by CTB and the vanilla baseline.
+
+    A round makes many decisions over thousands of tasks, so nothing a decision reads may
+    rescan every task: the active tasks of each rank, the paused tasks, the queue's size and
+    eval groups, live tasks per type and the probes of each type are indexes kept up to date.
+    Every change of a task's state or rank goes through `_move`, of its flag through
+    `_set_executing` and of its size through `update_usage`, so the indexes cannot drift from
+    the tasks; `_check_indexes` recomputes them from scratch to prove it.
+    """
+
+    def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
+                 max_tasks_per_rank: int | None = None):
+        self.cfg = cfg
+        self.capacity = list(capacities)
+        self.max_tasks_per_rank = max_tasks_per_rank
+        """Engine slots per rank: a resident task holds one while it waits on its env."""
+        self.max_context = max_context
+        self.tasks: dict[str, Task] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.queue: OrderedDict[str, list[str]] = OrderedDict()  # group -> unadmitted task ids
+        self.group_done: dict[str, int] = {}
+        self.group_probe: dict[str, int] = {}
+        self.final_context: dict[str, tuple[int, int]] = {}
+        """Per task type: (sum, count) of the context lengths finished tasks reached."""
+        self.growth: dict[str, tuple[int, int]] = {}
+        """Per task type: (sum, count) of context growth between consecutive turns."""
+        self._stats_version = 0
+        """Bumped whenever projected growth may change (growth, final contexts, horizon)."""
+        self._horizon_turns: int | None = None
+        self._fresh: set[str] = set()
+        """Tasks admitted in the current round: never preempted in the same round."""
+        self.dead: set[int] = set()
+        self.admission_limit: int | None = None
+        n = len(self.capacity)
+        self._active: list[dict[str, Task]] = [{} for _ in range(n)]
+        self._n_active = 0
+        self._paused: dict[str, Task] = {}
+        self._n_queued = 0
+        self._queue_seq: dict[str, int] = {}
+        """Group -> when it joined the queue: orders eval groups without walking the queue."""
+        self._queue_count = itertools.count()
+        self._queued_evals: dict[str, int] = {}
+        """Group -> its queued eval tasks; empty lets admission skip the eval scan."""
+        self._live_by_type: dict[str, int] = {}
+        """Task type -> its active and paused tasks (the probe waits while one is out)."""
+        self._group_type: dict[str, str] = {}
+        """Group -> the type of its first task (what `estimate` matches groups by)."""
+        self._type_probes: dict[str, dict[str, int]] = {}
+        self._type_probe_max: dict[str, int] = {}
+        self._rank_groups: list[dict[str, dict[str, int]]] = [{} for _ in range(n)]
+        """Per rank: task type -> group -> its active tasks there (admission's diversity)."""
+        self._dirty = [True] * n
+        """Per rank: its cached usage is stale (CTB recomputes it on the next read)."""
+
+    @property
+    def horizon_turns(self) -> int | None:
+        """Turn limit of an episode (the runner sets it); bounds projected growth."""
+        return self._horizon_turns
+
+    @horizon_turns.setter
+    def horizon_turns(self, n: int | None) -> None:
+        self._horizon_turns = n
+        self._stats_version += 1
+
+    # -- inputs -------------------------------------------------------------------------------
+    def submit(self, tasks: Iterable[Task]) -> None:
+        for t in tasks:
+            if t.task_id in self.tasks:
+                raise ValueError(f"task {t.task_id!r} submitted twice")
+            if t.state != "new":
+                raise ValueError(f"task {t.task_id!r} is submitted in state {t.state!r}; "
+                                 "submit a fresh Task (state 'new')")
+            self.tasks[t.task_id] = t
+            if t.group_id not in self.groups:
+                self.groups[t.group_id] = []
+                self._group_type[t.group_id] = t.task_type
+            self.groups[t.group_id].append(t.task_id)
+            self.group_done.setdefault(t.group_id, 0)
+            if t.group_id not in self.queue:
+                self._queue_seq[t.group_id] = next(self._queue_count)
+                self.queue[t.group_id] = []
+            self.queue[t.group_id].append(t.task_id)
+            self._n_queued += 1
+            if t.is_eval:
+                self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
+
+    def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None) -> None:
+        """Called at the start of every turn with the task's context length."""
+        t = self.tasks[task_id]
+        if t.measured and tokens > t.tokens:
+            total, n = self.growth.get(t.task_type, (0, 0))
+            self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
+            self._stats_version += 1
+        t.tokens, t.measured = tokens, True
+        t.turns += 1
+        if t.state == "active":
+            self._dirty[t.rank] = True
+        if executing is not None:
+            self._set_executing(t, executing)
+        if t.group_id not in self.group_probe:
+            self._add_probe(t.group_id, tokens)
+
+    def set_executing(self, task_id: str, executing: bool) -> None:
+        self._set_executing(self.tasks[task_id], executing)
+
+    def finish(self, task_id: str) -> None:
+        t = self.tasks[task_id]
+        if t.state == "done":
+            return
+        if t.state == "new":
+            self._dequeue(t, drop_empty=False)
+        if t.measured:
+            total, n = self.final_context.get(t.task_type, (0, 0))
+            self.final_context[t.task_type] = (total + t.tokens, n + 1)
+            self._stats_version += 1
+        self._set_executing(t, False)
+        self._move(t, "done", t.rank)
+        self.group_done[t.group_id] += 1
+        if self.group_done[t.group_id] == len(self.groups[t.group_id]):
+            # The whole group is over: forget it (long runs would otherwise grow without bound).
+            for tid in self.groups.pop(t.group_id):
+                del self.tasks[tid]
+            del self.group_done[t.group_id]
+            self._drop_probe(t.group_id)
+            if t.group_id in self.queue:
+                self._unqueue_group(t.group_id)
+
+    def set_admission_limit(self, n: int | None) -> None:
+        """Staleness throttle from the controller: how many more tasks may start (None: any)."""
+        self.admission_limit = n
+
+    def remove_rank(self, rank: int) -> list[str]:
+        """Quarantines `rank`; its tasks become paused with no residency (they re-prefill)."""
+        self.dead.add(rank)
+        moved = []
+        for t in self.tasks.values():
+            if t.rank == rank and t.state in LIVE_STATES:
+                self._set_executing(t, False)
+                self._move(t, "paused", None)
+                moved.append(t.task_id)
+        return moved
+
+    def flush(self) -> None:
+        """Weight sync: every rank's KV is stale, so paused tasks lose their residency."""
+        for t in list(self._paused.values()):
+            self._move(t, "paused", None)
+
+    # -- views --------------------------------------------------------------------------------
+    def live_ranks(self) -> list[int]:
+        return [r for r in range(len(self.capacity)) if r not in self.dead]
+
+    def active_on(self, rank: int) -> list[Task]:
+        return list(self._active[rank].values())
+
+    def n_active(self) -> int:
+        return self._n_active
+
+    def pending(self) -> int:
+        return self._n_queued + len(self._paused)
+
+    def completion(self, group_id: str) -> float:
+        return self.group_done[group_id] / len(self.groups[group_id])
+
+    def _take_admission(self) -> bool:
+        if self.admission_limit is None:
+            return True
+        if self.admission_limit <= 0:
+            return False
+        self.admission_limit -= 1
+        return True
+
+    # -- index upkeep -------------------------------------------------------------------------
+    def _move(self, t: Task, state: State, rank: int | None) -> None:
+        """The only place a task's state or rank changes."""
+        old = t.state
+        if old == "active":
+            self._leave(t)
+        elif old == "paused" and state != "paused":
+            del self._paused[t.task_id]
+        if (old in LIVE_STATES) != (state in LIVE_STATES):
+            n = self._live_by_type.get(t.task_type, 0) + (1 if state in LIVE_STATES else -1)
+            if n:
+                self._live_by_type[t.task_type] = n
+            else:
+                del self._live_by_type[t.task_type]
+        t.state, t.rank = state, rank
+        if state == "active":
+            self._join(t)
+        elif state == "paused":
+            self._paused[t.task_id] = t
+
+    def _join(self, t: Task) -> None:
+        r = t.rank
+        assert r is not None
+        self._active[r][t.task_id] = t
+        self._n_active += 1
+        groups = self._rank_groups[r].setdefault(t.task_type, {})
+        groups[t.group_id] = groups.get(t.group_id, 0) + 1
+        self._load_join(r, t)
+
+    def _leave(self, t: Task) -> None:
+        r = t.rank
+        assert r is not None
+        del self._active[r][t.task_id]
+        self._n_active -= 1
+        groups = self._rank_groups[r][t.task_type]
+        groups[t.group_id] -= 1
+        if not groups[t.group_id]:
+            del groups[t.group_id]
+            if not groups:
+                del self._rank_groups[r][t.task_type]
+        self._load_leave(r, t)
+
+    def _load_join(self, rank: int, t: Task) -> None:
+        """Hook: `t` became active on `rank` (CTB keeps the rank's usage current)."""
+
+    def _load_leave(self, rank: int, t: Task) -> None:
+        """Hook: `t` stopped being active on `rank`."""
+
+    def _set_executing(self, t: Task, executing: bool) -> None:
+        # Not indexed: it changes neither usage nor any set; rounds read it from the task.
+        t.executing = executing
+
+    def _dequeue(self, t: Task, *, drop_empty: bool) -> None:
+        tids = self.queue[t.group_id]
+        tids.remove(t.task_id)
+        self._n_queued -= 1
+        if t.is_eval:
+            left = self._queued_evals[t.group_id] - 1
+            if left:
+                self._queued_evals[t.group_id] = left
+            else:
+                del self._queued_evals[t.group_id]
+        if drop_empty and not tids:
+            self._unqueue_group(t.group_id)
+
+    def _unqueue_group(self, group_id: str) -> None:
+        del self.queue[group_id], self._queue_seq[group_id]
+
+    def _eval_groups(self) -> list[str]:
+        """The groups holding queued eval tasks, in queue order."""
+        return sorted(self._queued_evals, key=self._queue_seq.__getitem__)
+
+    def _queue_positions(self, group_ids: set[str]) -> dict[str, int]:
+        pos: dict[str, int] = {}
+        for i, gid in enumerate(self.queue):
+            if gid in group_ids:
+                pos[gid] = i
+                if len(pos) == len(group_ids):
+                    break
+        return pos
+
+    def _add_probe(self, group_id: str, tokens: int) -> None:
+        self.group_probe[group_id] = tokens
+        kind = self._group_type[group_id]
+        self._type_probes.setdefault(kind, {})[group_id] = tokens
+        top = self._type_probe_max.get(kind)
+        if top is None or tokens > top:
+            # Unmeasured tasks of every group of this type without a probe are sized by it.
+            self._type_probe_max[kind] = tokens
+            self._dirty = [True] * len(self._dirty)
+            return
+        for tid in self.groups[group_id]:  # its own unmeasured tasks switch to it
+            s = self.tasks[tid]
+            if s.state == "active":
+                self._dirty[s.rank] = True
+
+    def _drop_probe(self, group_id: str) -> None:
+        probe = self.group_probe.pop(group_id, None)
+        kind = self._group_type.pop(group_id)
+        if probe is None:
+            return
+        probes = self._type_probes[kind]
+        del probes[group_id]
+        top = max(probes.values()) if probes else None
+        if top != self._type_probe_max[kind]:
+            if top is None:
+                del self._type_probes[kind], self._type_probe_max[kind]
+            else:
+                self._type_probe_max[kind] = top
+            self._dirty = [True] * len(self._dirty)
+
+    def _check_indexes(self) -> None:
+        """Recomputes every index from the tasks and raises AssertionError on a mismatch."""
+
+        def expect(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"scheduler index out of step: {what}")
+
+        n = len(self.capacity)
+        active: list[dict[str, Task]] = [{} for _ in range(n)]
+        rank_groups: list[dict[str, dict[str, int]]] = [{} for _ in range(n)]
+        paused: set[str] = set()
+        live: dict[str, int] = {}
+        for tid, t in self.tasks.items():
+            expect(t.task_id == tid, f"task {tid!r} is stored under another id")
+            if t.state == "active":
+                expect(t.rank is not None and t.rank not in self.dead,
+                       f"active task {tid!r} has no live rank ({t.rank})")
+                active[t.rank][tid] = t
+                g = rank_groups[t.rank].setdefault(t.task_type, {})
+                g[t.group_id] = g.get(t.group_id, 0) + 1
+            elif t.state == "paused":
+                paused.add(tid)
+            if t.state in LIVE_STATES:
+                live[t.task_type] = live.get(t.task_type, 0) + 1
+        for r in range(n):
+            expect(self._active[r].keys() == active[r].keys(), f"active set of rank {r}")
+            expect(all(self._active[r][tid] is t for tid, t in active[r].items()),
+                   f"rank {r} indexes a stale Task object")
+        expect(self._n_active == sum(map(len, active)), "active count")
+        expect(self._paused.keys() == paused, "paused set")
+        expect(all(self._paused[tid] is self.tasks[tid] for tid in paused), "paused objects")
+        expect(self._live_by_type == live, "live tasks per type")
+        expect(self._rank_groups == rank_groups, "groups per rank and type")
+        queued = [tid for tids in self.queue.values() for tid in tids]
+        expect(len(queued) == len(set(queued)) == self._n_queued, "queued count")
+        expect(set(queued) == {tid for tid, t in self.tasks.items() if t.state == "new"},
+               "queue holds exactly the new tasks")
+        expect(sorted(self._queue_seq, key=self._queue_seq.__getitem__) == list(self.queue),
+               "queue order")
+        evals = {g: k for g, tids in self.queue.items()
+                 if (k := sum(self.tasks[tid].is_eval for tid in tids))}
+        expect(self._queued_evals == evals, "queued eval tasks per group")
+        kinds = {g: self.tasks[tids[0]].task_type for g, tids in self.groups.items()}
+        expect(self._group_type == kinds, "group types")
+        probes: dict[str, dict[str, int]] = {}
+        for g, p in self.group_probe.items():
+            probes.setdefault(kinds[g], {})[g] = p
+        expect(self._type_probes == probes, "probes per type")
+        expect(self._type_probe_max == {k: max(v.values()) for k, v in probes.items()},
+               "largest probe per type")
