@@ -229,6 +229,25 @@ def test_rank_of_executing_tasks_stays_over_budget_until_a_turn_ends():
     s._check_indexes()
 
 
+def test_a_task_grown_past_the_budget_still_runs_alone():
+    # Budget 85 of a 100-token pool: a task that grew to 90 is paused while another runs, and
+    # must come back once its rank is empty, or it (and its group) would wait forever.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=0.85, plan_growth=False)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=20) for n in "ab"])
+    s.schedule()
+    s.update_usage("b", 30, executing=True)
+    s.update_usage("a", 90)
+    assert s.schedule() == [Pause("a", 0)]  # b is executing: a makes way
+    s.finish("b")
+    assert s.schedule() == [Resume("a", 0, False)]  # alone on its rank, over budget
+    s.submit([Task(task_id="c", group_id="C", prompt_tokens=95)])  # larger than the budget
+    assert s.schedule() == []
+    s.finish("a")
+    assert s.schedule() == [Admit("c", 0)]
+    s._check_indexes()
+
+
 def test_eval_preemption_never_pauses_an_executing_task():
     cfg = CTBConfig(action_reserve=0, budget_fraction=1.0)
     s = CTBScheduler(cfg, [100], max_context=100)

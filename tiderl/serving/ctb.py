@@ -124,6 +124,13 @@ class CTBScheduler(TaskTable):
     def budget(self, rank: int) -> int:
         return int(self.capacity[rank] * self.cfg.budget_fraction)
 
+    def limit(self, rank: int) -> int:
+        """What a task joining `rank` may bring its usage up to: the budget, or on a rank with
+        nothing active its whole capacity. The budget's slack is for other tasks' growth; a
+        task grown past the budget must still run somewhere (the pause step never pauses a
+        rank's last task), or it would wait forever and its group with it."""
+        return self.budget(rank) if self._active[rank] else self.capacity[rank]
+
     def priority(self, t: Task) -> float:
         c = self.cfg
         return (c.w_eval * t.is_eval + c.w_group * self.completion(t.group_id)
@@ -267,7 +274,7 @@ class CTBScheduler(TaskTable):
                 and len(self._active[rank]) >= self.max_tasks_per_rank:
             return False
         return self.usage(rank) + self._marginal(rank, t, self._probe_size(t)) \
-            <= self.budget(rank)
+            <= self.limit(rank)
 
     def expected_final(self, task_type: str) -> int | None:
         """Mean context length finished tasks of `task_type` reached; None before the first."""
@@ -306,7 +313,7 @@ class CTBScheduler(TaskTable):
         if not self.cfg.plan_growth or t.is_eval:
             return True
         return self._grown_usage(rank) + self._marginal(rank, t, self._grown_size(t)) \
-            <= self.budget(rank)
+            <= self.limit(rank)
 
     def _growth_unknown(self, t: Task) -> bool:
         """Planning growth, but neither finished tasks nor a second turn of `t`'s type yet."""
@@ -376,7 +383,7 @@ class CTBScheduler(TaskTable):
     def _best_headroom(self, ranks: list[int]) -> int | None:
         """The most room any rank with a free slot has left; None when none has a slot."""
         cap = self.max_tasks_per_rank
-        heads = [self.budget(r) - self.usage(r) for r in ranks
+        heads = [self.limit(r) - self.usage(r) for r in ranks
                  if cap is None or len(self._active[r]) < cap]
         return max(heads) if heads else None
 
