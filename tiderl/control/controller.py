@@ -410,6 +410,7 @@ class Controller:
             "consumed_tokens": self.consumed_tokens,
             "generated_tokens": self.generated_tokens,
             "kv_hit_rate": rs["kv_hit_rate"],
+            "kv_pages_in_use": [r.get("pages_in_use", 0) for r in rs["per_rank"]],
             "prefill_computed": rs["computed_tokens"],
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
