@@ -195,3 +195,33 @@ async def test_an_episode_cut_by_the_servers_turn_cap_ends_at_its_turn_limit():
     cut = [t for t in trajs if t.turns == 2 and t.reward < 1.0]
     assert cut and all(t.end_reason == EndReason.turn_limit for t in cut), \
         [(t.turns, t.reward, t.end_reason) for t in cut]
+
+
+class DeadOnArrival(Engine):
+    """Every engine call raises, from the allocation of its pools on."""
+
+    def init_decode_state(self):
+        raise RuntimeError("injected: device lost")
+
+
+async def test_a_rank_that_fails_to_start_is_quarantined_and_the_rest_carry_on():
+    rcfg = rollout_cfg()
+    graphdef, params, engines = build(2, rcfg)
+    engines[1].__class__ = DeadOnArrival
+    trajs, mgr = await run_groups(engines, rcfg, groups_of(2, 4))
+    assert all(t.ok for t in trajs) and 1 in mgr.sched.dead
+    assert_engine_logprobs(graphdef, params, trajs)
+
+
+async def test_a_weight_sync_never_waits_on_a_failed_rank():
+    rcfg = rollout_cfg()
+    graphdef, params, engines = build(1, rcfg, engine_cls=DecodeFaultWith)
+    engines[0].target = 7
+    rank = RolloutRank(0, engines[0])
+    await rank.start()
+    with pytest.raises(Exception):
+        await rank.turn(1, [65] * 8, sample_id=7)
+    assert rank.failed is not None
+    # The sync after a quarantine: the rank's loop is gone, nothing would ever answer.
+    await asyncio.wait_for(rank.update_weights(params, 1), timeout=30)
+    await rank.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -128,8 +129,15 @@ class RolloutRank:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Allocates the engine's state and starts the loop; an engine that fails here leaves
+        the rank quarantined from the start (its turns raise RankFailedError), not the job."""
         loop = asyncio.get_running_loop()
-        self._state = await loop.run_in_executor(self._pool, self.engine.init_decode_state)
+        try:
+            self._state = await loop.run_in_executor(self._pool, self.engine.init_decode_state)
+        except Exception as e:  # a device failure: the other ranks carry on
+            log.exception("rank %d failed to start", self.rank_id)
+            self.failed = e
+            return
         self._runner = asyncio.create_task(self._run(), name=f"rank{self.rank_id}")
 
     async def close(self) -> dict[int, Handoff]:
@@ -203,7 +211,7 @@ class RolloutRank:
         """The task migrates away (see `Handoff`); its KV here is dropped."""
         if task_id not in self.tasks:
             return Handoff(None, None)
-        if self.failed is not None or self._runner is None or self._runner.done():
+        if not self.live:
             return self._snapshot(self.tasks.pop(task_id), evict=False)
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._ops.append(("release", (self.tasks.pop(task_id), done)))
@@ -220,12 +228,21 @@ class RolloutRank:
 
     async def update_weights(self, params: Any, version: int) -> None:
         """Swaps weights between engine steps; stale KV is flushed, in-flight actions continue
-        after a fresh prefill."""
+        after a fresh prefill. A quarantined rank (or one failing meanwhile) returns at once:
+        its tasks migrate and its weights no longer matter, so a sync never waits on it."""
+        if not self.live:
+            return
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._ops.append(("weights", (params, version, done)))
         self._wake.set()
-        await done
+        with contextlib.suppress(RankFailedError):
+            await done
+
+    @property
+    def live(self) -> bool:
+        """Its loop runs and its engine has not failed."""
+        return self.failed is None and self._runner is not None and not self._runner.done()
 
     def kv_stats(self) -> dict[str, float]:
         s = self.engine.stats() if hasattr(self.engine, "stats") else {}
