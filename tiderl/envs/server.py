@@ -28,7 +28,7 @@ from tiderl.envs.config import EnvConfig
 from tiderl.envs.latency import LatencyModel
 from tiderl.envs.protocol import ProtocolError, SessionRequest, StartRequest, StepRequest
 
-_TOMBSTONES = 65536  # ended sessions remembered, so late requests get 410 rather than 404
+_TOMBSTONES = 16384  # ended sessions remembered (late requests get 410, a retried /end its reply)
 _START_REPLIES = 8192  # /start replies kept for idempotent retries
 
 
@@ -48,11 +48,12 @@ class _Session:
     last_reply: tuple[int, dict[str, Any]] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Tombstone:
     why: str
     end_request_id: str | None = None
-    end_reply: tuple[int, dict[str, Any]] | None = None
+    end_reply: tuple[int, bytes] | None = None
+    """The /end reply as sent (JSON bytes: thousands of tombstones stay small)."""
 
 
 class _Metrics:
@@ -358,8 +359,8 @@ class EnvServer:
         tomb = self._tombs.get(req.session)
         if tomb is not None and req.request_id is not None and req.request_id == (
                 tomb.end_request_id):
-            status, body = tomb.end_reply  # type: ignore[misc]  # set with the id
-            return _json(body, status)
+            status, raw = tomb.end_reply  # type: ignore[misc]  # set with the id
+            return web.Response(body=raw, status=status, content_type="application/json")
         s = self._live(req.session)
         s.busy += 1
         try:
@@ -378,7 +379,8 @@ class EnvServer:
                                                   f"{type(e).__name__}: {e}; session "
                                                   f"{s.id!r} closed"}
                     why = f"adapter error in close: {type(e).__name__}"
-                self._tomb(s.id, _Tombstone(why, req.request_id, (status, body)))
+                self._tomb(s.id, _Tombstone(why, req.request_id,
+                                            (status, json.dumps(body).encode())))
                 self.metrics.ended.labels(why.split(" ")[0]).inc()
                 return _json(body, status)
         finally:
