@@ -83,6 +83,10 @@ def test_cotangent_by_hand():
     np.testing.assert_allclose(cot4, cot, rtol=1e-6)
     np.testing.assert_allclose(cot4_ent, -0.1 * batch["loss_mask_bt"], rtol=1e-6)
     assert float(m4["entropy_sum"]) == 5.0
+    # capped bonus −c·min(H_t, 1.2): no push on the tokens already spread past the cap
+    (_, cot5_ent), _ = cotangent((logp, ent), ref, batch, jnp.int32(1),
+                                 dataclasses.replace(spec, entropy_coef=0.1, entropy_max=1.2))
+    np.testing.assert_allclose(cot5_ent, -0.1 * batch["loss_mask_bt"] * (ent < 1.2), rtol=1e-6)
 
 
 def test_token_logprobs_shift_and_temperature():
@@ -127,7 +131,7 @@ def _setup(policy, cfg, n_traj, seed):
 
 def test_deferred_gradient_equals_fused_jax_grad(policy):
     cfg = TrainerConfig(actor_devices=4, kl_coef=0.2, dual_clip=3.0, clip_low=0.1, clip_high=0.1,
-                        entropy_coef=0.05)
+                        entropy_coef=0.05, entropy_max=4.1)
     be, mbs = _setup(policy, cfg, 10, seed=3)
     b = be.put(mbs[0], "actor")
     assert b["segment_ids_bt"].max() > 1  # packed: several sequences per row

@@ -48,8 +48,11 @@ def _default_trainer() -> TrainerConfig:
     # Exact entropy bonus 0.03 keeps siblings exploring past the "copy the range's lower bound"
     # plateau (5/8); the cosine decay over the 700 steps stops the late collapses a constant
     # 3e-3 showed once the policy is nearly deterministic.
+    # The bonus is capped at 2.3 nats (a little above ln 8, the eight answers): uncapped, once
+    # the rollout ran further ahead of the trainer it pushed mass onto non-answers and the
+    # entropy ran away (2.2 → 5.5 nats in three updates) until every group scored alike.
     return TrainerConfig(lr=3e-3, lr_schedule="cosine", decay_steps=700, kl_coef=0.0,
-                         entropy_coef=0.03, row_len=128, rows_per_rank=8)
+                         entropy_coef=0.03, entropy_max=2.3, row_len=128, rows_per_rank=8)
 
 
 def _default_controller() -> ControllerConfig:

@@ -52,6 +52,10 @@ class TrainerConfig:
     """Entropy bonus −c·H_t, H_t the exact entropy of the full next-token distribution at each
     action token (verl's entropy_coeff); 0.03–0.1 keeps a policy trained from scratch exploring
     once most GRPO groups stop varying."""
+    entropy_max: float = 0.0
+    """Cap (nats) of the entropy bonus per token, −c·min(H_t, entropy_max): the bonus stops
+    pushing where the distribution is already that spread, so it cannot run away (0: no cap).
+    E.g. a little above ln(k) keeps k answers in play without pushing mass onto the rest."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
@@ -98,7 +102,7 @@ class TrainerConfig:
         if self.lr <= 0:
             raise ConfigError(f"config key 'trainer.lr' must be positive, got {self.lr}")
         for name in ("weight_decay", "grad_clip", "warmup_steps", "adv_eps", "kl_coef",
-                     "entropy_coef", "colocate_slack"):
+                     "entropy_coef", "entropy_max", "colocate_slack"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "
                                   f"{getattr(self, name)}")

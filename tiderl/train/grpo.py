@@ -17,7 +17,8 @@ Per action token t (ρ_t = exp(logp_t − behaviour_t)):
 - entropy bonus `−entropy_coef · H_t`, H_t the exact entropy of the full next-token
   distribution at the sampling temperature (verl's `entropy_coeff`). The Actor forward returns
   per-token (logprobs, entropies) and its vjp takes a cotangent for both, so the deferred
-  backward stays exact: ∂L/∂H_t = −entropy_coef · w_t.
+  backward stays exact: ∂L/∂H_t = −entropy_coef · w_t. With `entropy_max` the bonus is
+  `−entropy_coef · min(H_t, entropy_max)`: no push on tokens already that spread.
 
 Aggregation keeps micro-batches exact under accumulation: each micro-batch contributes a *sum*
 `Σ_t w_t ℓ_t` (token_mean: w_t = mask_t; seq_mean: w_t = mask_t / action tokens of t's sequence)
@@ -54,12 +55,14 @@ class LossSpec:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     use_versions: bool = True
     entropy_coef: float = 0.0
+    entropy_max: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> LossSpec:
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                    is_cap=cfg.is_cap, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                   loss_agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef)
+                   loss_agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
+                   entropy_max=cfg.entropy_max)
 
 
 def token_logprobs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"],
@@ -151,7 +154,8 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
         kl, per_tok = jnp.zeros_like(pg), pg
     ent = jnp.zeros_like(logp_bt) if ent_bt is None else jnp.where(on, ent_bt, 0.0)
     if spec.entropy_coef:
-        per_tok = per_tok - spec.entropy_coef * ent
+        bonus = jnp.minimum(ent, spec.entropy_max) if spec.entropy_max else ent
+        per_tok = per_tok - spec.entropy_coef * bonus
     total = jnp.sum(jnp.where(w > 0, w * per_tok, 0.0))
     metrics = {
         "loss_sum": total,
