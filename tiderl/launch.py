@@ -55,9 +55,15 @@ def validate(cfg: RunConfig) -> None:
 
     check_policy(cfg.model)
     try:
-        template = template_for(load_tokenizer(cfg.model.tokenizer), "auto")
+        tok = load_tokenizer(cfg.model.tokenizer)
+        template = template_for(tok, "auto")
     except ValueError as e:
         raise ConfigError(f"config key 'model.tokenizer'={cfg.model.tokenizer!r}: {e}") from e
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"config key 'model.tokenizer'={cfg.model.tokenizer!r} has {tok.vocab_size:,} tokens "
+            f"but the model's embedding has model.vocab_size={cfg.model.vocab_size:,} rows; use "
+            "the tokenizer the checkpoint was trained with (or raise model.vocab_size)")
     if cfg.controller.system_prompt and not template.system_open:
         raise ConfigError(
             f"config key 'controller.system_prompt' is set, but the {template.name!r} turn "
@@ -69,7 +75,7 @@ def validate(cfg: RunConfig) -> None:
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     from tiderl.cluster import init_jax, role_meshes
-    from tiderl.models.policy import init_policy
+    from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
@@ -86,8 +92,16 @@ def build(cfg: RunConfig):
         model = from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
                                 mesh=meshes["actor"])
         graphdef, params = nnx.split(model)
+    elif cfg.model.init_from:
+        from tiderl.config import split_init_from
+        from tiderl.export import load_run_params
+
+        run_dir, step = split_init_from(cfg.model.init_from)
+        graphdef, abstract = abstract_policy(cfg.model)
+        params = load_run_params(run_dir, step, abstract, mesh=meshes["actor"])
     else:
         graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])
+    check_contract(graphdef, params, cfg.model)
     return devices, plan, meshes, graphdef, params
 
 

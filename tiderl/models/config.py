@@ -19,8 +19,12 @@ class ModelConfig:
     (a `nnx.Module` built as `Class(cfg, rngs=...)`)."""
     checkpoint: str = ""
     """Local Hugging Face directory (config.json + *.safetensors) to load; '' initialises."""
+    init_from: str = ""
+    """'RUN_DIR' or 'RUN_DIR:STEP': start from another tiderl run's trained weights (its newest
+    checkpoint, or the one of STEP); that run's config.yaml defines the shape."""
     tokenizer: str = "byte"
-    """'byte' (built-in, no download) or the path of an HF tokenizer.json."""
+    """'byte' (built-in, no download) or the path of an HF tokenizer.json or its folder; with
+    model.checkpoint it defaults to the checkpoint folder when that holds a tokenizer.json."""
     vocab_size: int = 272
     d_model: int = 64
     n_layers: int = 2

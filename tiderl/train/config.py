@@ -62,7 +62,7 @@ class TrainerConfig:
     token mean, averaged over the step's sequences."""
 
     # --- micro-batches (train/dispatch.py) ---
-    row_len: int = 256
+    row_len: int = 1024
     """Tokens per packed row; a trajectory longer than this cannot be trained."""
     rows_per_rank: int = 4
     """Rows each data-parallel rank takes per micro-batch (the per-rank token budget is
