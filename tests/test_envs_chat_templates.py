@@ -287,6 +287,35 @@ LLAMA32 = _LLAMA_HEAD + _LLAMA32_DATE + _LLAMA_BODY.replace(  # Llama 3.2 Instru
     """{%- if builtin_tools is defined or tools is not none %}""",
     """{%- if tools is not none %}""")
 
+# Gemma 3's template (text content only): a system prompt is folded into the first user turn.
+GEMMA3 = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 # Pre-tokenizer splits of the real tokenizer.json files (Qwen2 and Llama 3 differ in digits).
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -480,6 +509,18 @@ def test_template_without_a_special_turn_end_is_refused(tmp_path):
         jinja_template(HFTokenizer(tmp_path), chat_template="{% for %}")
 
 
+def test_header_that_merges_with_the_action_is_refused(tmp_path):
+    """'assistant: ' + action: the tokenizer joins the space to the action's first word in the
+    full rendering, so encode(action) ids could never match it; caught at construction."""
+    spaced = ("{% for m in messages %}{{ '<|im_start|>' + m.role + ': ' + m.content + "
+              "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<|im_start|>assistant: ' }}{% endif %}")
+    _checkpoint(tmp_path, split=QWEN_SPLIT, specials=QWEN_SPECIALS, template=spaced,
+                eos="<|im_end|>")
+    with pytest.raises(ValueError, match="model.tokenizer=.*token ids built turn by turn differ"):
+        template_for(HFTokenizer(tmp_path), "auto")
+
+
 def test_template_that_rejects_a_system_role_has_no_system_turn(tmp_path):
     no_system = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception("
                  "'System role not supported') }}{% endif %}{{ '<|im_start|>' + m.role + '\n' + "
@@ -493,6 +534,23 @@ def test_template_that_rejects_a_system_role_has_no_system_turn(tmp_path):
     _check_parity(tpl, ours, hf, None)
     with pytest.raises(ValueError, match="no system turn"):
         tpl.prompt("hi", system="Play.")
+
+
+@pytest.mark.parametrize("system", [None, "Play the game."])
+def test_gemma3_folds_the_system_prompt_into_the_first_user_turn(tmp_path, system):
+    """The system text is written inside the first user turn (then the user text, trimmed):
+    the derived pieces place it there, and the text runs around it are encoded as one, as
+    transformers encodes them."""
+    hf = _checkpoint(tmp_path, split=QWEN_SPLIT, template=GEMMA3, bos="<bos>", eos="<eos>",
+                     specials=["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+                     gen_eos=["<eos>", "<end_of_turn>"])
+    ours = HFTokenizer(tmp_path)
+    tpl = template_for(ours, "auto")
+    sot = ours.token_to_id("<start_of_turn>")
+    assert tpl.begin == (ours.token_to_id("<bos>"),) and tpl.system_open == (sot, "user\n")
+    assert tpl.system_close == ("\n\n",) and tpl.user_open == ()
+    assert tpl.stop_ids == {ours.token_to_id("<end_of_turn>"), ours.token_to_id("<eos>")}
+    _check_parity(tpl, ours, hf, system)
 
 
 def test_truncated_action_is_closed_with_the_turn_end(tmp_path):

@@ -9,9 +9,11 @@ around each observation, and the rollout appends the sampled action ids verbatim
 
 That is exact for templates whose rendering of turn k is a prefix of the rendering of turn k+1
 with actions kept as they are (ChatML/Qwen2.5 with its default system message, Llama 3.x with its
-date header, Qwen3 on actions without a <think> block). It is checked at construction by
-re-rendering 3-turn conversations, with and without a system prompt, and comparing token ids with
-the tokenized full rendering; a template that fails raises a ValueError naming model.tokenizer.
+date header, Qwen3 on actions without a <think> block, Gemma 3 with the system prompt folded into
+the first user turn). It is checked at construction by re-rendering 3-turn conversations and
+comparing token ids with the tokenized full rendering: a template that fails without a system
+prompt raises a ValueError naming model.tokenizer; one that fails only with a system prompt gets
+no system turn (so a configured controller.system_prompt is rejected by launch's validation).
 
 Where a template rewrites earlier assistant turns (Qwen3 drops the <think> block of assistant
 turns before the last user message; Llama 3 trims action whitespace), tiderl keeps the tokens the
@@ -206,14 +208,16 @@ def _derive(tok: Any, source: str, name: str, render: Callable[[list, bool], str
             "the action)")
     after = W[len(stop_text):]
 
-    # With a system message: Xs S V U0 Y ...; none if the template refuses or folds it away.
-    system = None
+    # With a system message: Xs S V U0 Y ...; none if the template refuses it, rewrites it in a
+    # way the usual text fixes do not describe, or renders later turns differently after it.
+    system, system_fix = None, TextFix()
     try:
-        s1 = render([_msg("system", S), *turns[:1]], True)
-        Xs, V, Ys = _pieces(s1, [S, U[0]], where)
+        Xs, V, Ys = _pieces(render([_msg("system", S), *turns[:1]], True), [S, U[0]], where)
         s3 = _pieces(render([_msg("system", S), *turns], True),
                      [S, *(m["content"] for m in turns)], where)
         if Ys == Y and s3 == [Xs, V, Y, W, Y, W, Y]:
+            system_fix = _fix_of(render, lambda t: [_msg("system", t), turns[0]], Xs,
+                                 V + U[0] + Y, where)
             system = (Xs, V)
     except NotTurnDecomposable:
         system = None
@@ -246,10 +250,15 @@ def _derive(tok: Any, source: str, name: str, render: Callable[[list, bool], str
     if system is not None:
         Xs, V = system
         fields.update(system_open=parts(Xs[len(begin):]), system_close=parts(cut(V, user_open)),
-                      system_fix=_fix_of(render, lambda t: [_msg("system", t), turns[0]],
-                                         Xs, V + U[0] + Y, where))
+                      system_fix=system_fix)
     template = ChatTemplate(**fields)
-    _check_tokens(template, render, where)
+    _check_tokens(template, render, where, system=None)
+    if template.system_open:
+        try:
+            _check_tokens(template, render, where, system=_CHECK_SYSTEM)
+        except NotTurnDecomposable:  # no system turn rather than an inexact one
+            template = dataclasses.replace(template, system_open=(), system_close=(),
+                                           system_fix=TextFix())
     return template
 
 
@@ -340,24 +349,27 @@ _CHECK_OBS = ("You are in a kitchen.\nThere is a fridge here. ", "  The fridge o
 _CHECK_ACT = ("open fridge", "take apple")
 
 
-def _check_tokens(template: ChatTemplate, render: Callable[[list, bool], str], where: str) -> None:
-    """Token ids built turn by turn equal the tokenized full rendering, with and without a
-    system prompt; the action ids are encode(action) + stop, as an engine would sample them."""
+_CHECK_SYSTEM = " Play the game.\nBe brief."
+
+
+def _check_tokens(template: ChatTemplate, render: Callable[[list, bool], str], where: str, *,
+                  system: str | None) -> None:
+    """Token ids built turn by turn equal the tokenized full rendering of a 3-turn conversation;
+    the action ids are encode(action) + stop, as an engine would sample them."""
     tok = template.tokenizer
-    for system in (None, "Play the game.\nBe brief.") if template.system_open else (None,):
-        ids = template.prompt(_CHECK_OBS[0], system=system)
-        messages = ([] if system is None else [_msg("system", system)]) + [
-            _msg("user", _CHECK_OBS[0])]
-        for act, obs in zip(_CHECK_ACT, _CHECK_OBS[1:], strict=True):
-            ids += tok.encode(act) + [template.stop[0]]
-            ids += template.observation(obs)
-            messages += [_msg("assistant", act), _msg("user", obs)]
-        expected = tok.encode(render(messages, True))
-        if ids != expected:
-            at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False))
-                       if a != b),
-                      min(len(ids), len(expected)))
-            raise NotTurnDecomposable(
-                f"{where}: token ids built turn by turn differ from the tokenized rendering at "
-                f"position {at} (turn by turn {tok.decode(ids[at:at + 8], skip_special=False)!r},"
-                f" rendered {tok.decode(expected[at:at + 8], skip_special=False)!r})")
+    ids = template.prompt(_CHECK_OBS[0], system=system)
+    messages = ([] if system is None else [_msg("system", system)]) + [
+        _msg("user", _CHECK_OBS[0])]
+    for act, obs in zip(_CHECK_ACT, _CHECK_OBS[1:], strict=True):
+        ids += tok.encode(act) + [template.stop[0]]
+        ids += template.observation(obs)
+        messages += [_msg("assistant", act), _msg("user", obs)]
+    expected = tok.encode(render(messages, True))
+    if ids != expected:
+        at = next((i for i, (a, b) in enumerate(zip(ids, expected, strict=False))
+                   if a != b),
+                  min(len(ids), len(expected)))
+        raise NotTurnDecomposable(
+            f"{where}: token ids built turn by turn differ from the tokenized rendering at "
+            f"position {at} (turn by turn {tok.decode(ids[at:at + 8], skip_special=False)!r},"
+            f" rendered {tok.decode(expected[at:at + 8], skip_special=False)!r})")
