@@ -65,15 +65,16 @@ class ModelConfig:
         if self.rope_scaling == "llama3":
             if self.rope_factor < 1.0:
                 raise ConfigError(f"config key 'model.rope_factor'={self.rope_factor} must be "
-                                  ">= 1 for rope_scaling=llama3")
+                                  ">= 1 for rope_scaling=llama3; raise it")
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
                 raise ConfigError(
                     f"config keys 'model.rope_low_freq_factor'={self.rope_low_freq_factor} and "
                     f"'model.rope_high_freq_factor'={self.rope_high_freq_factor} must satisfy "
-                    "0 < low < high for rope_scaling=llama3")
+                    "0 < low < high for rope_scaling=llama3; set them so")
             if self.rope_original_max_len <= 0:
                 raise ConfigError(f"config key 'model.rope_original_max_len'="
-                                  f"{self.rope_original_max_len} must be positive")
+                                  f"{self.rope_original_max_len} must be positive; set the "
+                                  "pre-training context length")
         if self.policy != "decoder" and ":" not in self.policy:
             raise ConfigError(
                 f"config key 'model.policy'={self.policy!r}: use 'decoder' or "
