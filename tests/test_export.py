@@ -198,3 +198,28 @@ def test_bad_input_is_one_line_exit_2(qwen3_run, tmp_path, capsys):
         policy="examples.custom_policy:MiniTransformer")).to_yaml())
     _one_line_error(capsys, [str(custom), str(tmp_path / "d")], "model.policy", "custom")
     assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_model_config_falls_back_to_the_source_checkpoint(qwen3_run, tmp_path):
+    """A checkpoint whose recorded model config does not describe its params (a run that loaded
+    model.checkpoint but recorded the default model keys) is read with the source config.json;
+    with no source to fall back on it is a one-line ConfigError."""
+    import shutil
+
+    from tiderl.configlib import ConfigError, to_dict
+
+    root, src, expected = qwen3_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    for step in (5, 9):
+        meta_file = run / "checkpoints" / str(step) / "meta" / "metadata"
+        meta = json.loads(meta_file.read_text())
+        meta["model"] = to_dict(ModelConfig(checkpoint=str(src)))
+        meta_file.write_text(json.dumps(meta))
+    rp = load_run_params(run, 5)
+    assert rp.model.qk_norm and rp.model.head_dim == 24 and rp.model.checkpoint == str(src)
+    for a, b in zip(jax.tree.leaves(rp.params), jax.tree.leaves(expected[5]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    (run / "config.yaml").write_text(RunConfig(run_dir=str(run)).to_yaml())
+    with pytest.raises(ConfigError, match="match neither"):
+        load_run_params(run)

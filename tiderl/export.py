@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -73,17 +73,18 @@ def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, 
     from tiderl.train.checkpoint import _structure
 
     saved = [s for s in meta.get("structure", []) if s.startswith(_PARAMS_PREFIX)]
-    candidates: list[ModelConfig] = []
-    try:
-        candidates.append(from_dict(ModelConfig, meta["model"], prefix="model"))
-    except (ConfigError, KeyError, TypeError):
-        pass
-    m = run.model
-    if m.checkpoint and (Path(m.checkpoint) / "config.json").is_file():
-        hf = load_hf_config(m.checkpoint, dtype=m.param_dtype)
-        candidates.append(dataclasses.replace(hf, compute_dtype=m.compute_dtype,
-                                              tokenizer=m.tokenizer))
-    for cfg in candidates:
+
+    def candidates() -> Iterator[ModelConfig]:
+        try:
+            yield from_dict(ModelConfig, meta["model"], prefix="model")
+        except (ConfigError, KeyError, TypeError):
+            pass
+        m = run.model
+        if m.checkpoint and (Path(m.checkpoint) / "config.json").is_file():
+            hf = load_hf_config(m.checkpoint, dtype=m.param_dtype)
+            yield dataclasses.replace(hf, compute_dtype=m.compute_dtype, tokenizer=m.tokenizer)
+
+    for cfg in candidates():
         abstract = nnx.eval_shape(lambda c=cfg: Decoder(c, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
         if _structure({"train": {"params": state}}) == saved:

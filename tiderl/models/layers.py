@@ -21,9 +21,10 @@ def rms_norm(x_btd: Float[Array, "B T D"], scale_d: Float[Array, "D"], eps: floa
 
 
 def rope_inv_freq(dh: int, theta: float,
-                  llama3: tuple[float, float, float, int] | None = None) -> Float[Array, "Dh/2"]:
-    """RoPE inverse frequencies in fp32; `llama3` = (factor, low_freq_factor, high_freq_factor,
-    original_max_len) applies Llama 3.1's scaling as transformers' `_compute_llama3_parameters`:
+                  llama3: tuple[float, float, float, int] | None = None) -> Array:
+    """RoPE inverse frequencies [Dh/2] in fp32; `llama3` = (factor, low_freq_factor,
+    high_freq_factor, original_max_len) applies Llama 3.1's scaling as transformers'
+    `_compute_llama3_parameters`:
     wavelengths shorter than original/high are kept, longer than original/low divided by factor,
     and a linear ramp in original/wavelength blends the two in between."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
