@@ -1,4 +1,4 @@
-"""The built-in Llama/Qwen2-family decoder as a Flax NNX module.
+"""The built-in Llama/Qwen2/Qwen3-family decoder as a Flax NNX module.
 
 `__call__(tokens, positions, segment_ids, *, cache=None) -> (logits, cache)`:
 - `cache=None` is the training path: packed rows, attention causal within a segment only.
@@ -64,6 +64,9 @@ class Attention(nnx.Module):
             self.bq_hk = _zeros((h, dh), ("heads", "head_dim"), pd)
             self.bk_kh = _zeros((k, dh), ("kv_heads", "head_dim"), pd)
             self.bv_kh = _zeros((k, dh), ("kv_heads", "head_dim"), pd)
+        if cfg.qk_norm:
+            self.q_norm_dh = _ones((dh,), ("head_dim",), pd)
+            self.k_norm_dh = _ones((dh,), ("head_dim",), pd)
 
     def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int):
         cd = x_btd.dtype
@@ -74,8 +77,11 @@ class Attention(nnx.Module):
             q = q + self.bq_hk[...].astype(cd)
             k = k + self.bk_kh[...].astype(cd)
             v = v + self.bv_kh[...].astype(cd)
-        q = rope(q, positions_bt, self.cfg.rope_theta)
-        k = rope(k, positions_bt, self.cfg.rope_theta)
+        if self.cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+            q = rms_norm(q, self.q_norm_dh[...], self.cfg.norm_eps)
+            k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
+        q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
+        k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
         if cache is None:
             out = attend(q, k, v, mask_btt)
         else:
@@ -115,7 +121,8 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA, SwiGLU, optional qkv bias, tied or not."""
+    """Llama/Qwen-style decoder: RMSNorm, RoPE (optionally llama3-scaled), GQA, SwiGLU, optional
+    qkv bias and q/k norm, tied or untied embeddings."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
