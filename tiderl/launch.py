@@ -74,6 +74,8 @@ def validate(cfg: RunConfig) -> None:
 
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
+    import jax
+
     from tiderl.cluster import init_jax, role_meshes
     from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
@@ -84,21 +86,23 @@ def build(cfg: RunConfig):
     plan = cfg.device_plan(len(devices))
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
+    # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
+    # resolved it) and its numerics (compute dtype) are the run's.
+    graphdef, abstract = abstract_policy(cfg.model)
     if cfg.model.checkpoint:
         from flax import nnx
 
         from tiderl.models.hf import from_pretrained
 
-        model = from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
-                                mesh=meshes["actor"])
-        graphdef, params = nnx.split(model)
+        _, params = nnx.split(from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
+                                              mesh=meshes["actor"]))
     elif cfg.model.init_from:
         from tiderl.config import split_init_from
         from tiderl.export import load_run_params
 
-        run_dir, step = split_init_from(cfg.model.init_from)
-        graphdef, abstract = abstract_policy(cfg.model)
-        params = load_run_params(run_dir, step, abstract, mesh=meshes["actor"])
+        params = load_run_params(*split_init_from(cfg.model.init_from),
+                                 mesh=meshes["actor"]).params
+        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
     else:
         graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])
     check_contract(graphdef, params, cfg.model)

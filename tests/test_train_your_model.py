@@ -1,0 +1,94 @@
+"""The README's "Train your own model" path, as a user runs it: a Hugging Face folder written by
+transformers (tiny random weights, a BPE tokenizer trained here, the family's real chat template)
+→ `python -m tiderl.launch model.checkpoint=DIR` → `python -m tiderl.export RUN OUT` →
+transformers loads the export and its logits equal tiderl's (fp32, ≤ 1e-4)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from test_envs_chat_templates import LLAMA32, llama, qwen3, qwen25
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.entry, pytest.mark.slow]
+
+RUN = ["controller.steps=4", "controller.checkpoint_every=2", "controller.eval_every=0",
+       "controller.console=false", "controller.groups_per_step=2",
+       "controller.groups_per_microbatch=1", "env.group_size=4", "rollout.max_context=256",
+       "rollout.max_action_tokens=4", "trainer.row_len=256"]
+SHAPE = dict(vocab_size=640, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _folder(path, family):
+    torch.manual_seed(0)
+    if family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **SHAPE, tie_word_embeddings=True))
+        qwen25(path)
+    elif family == "llama3.2":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SHAPE, tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
+        llama(path, LLAMA32)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **SHAPE, head_dim=16, tie_word_embeddings=False))
+        qwen3(path)
+    model.save_pretrained(path)
+    return model
+
+
+def _run(module, *args, timeout=600):
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3.2", "qwen3"])
+def test_train_a_checkpoint_and_export_it_back(tmp_path, family):
+    import jax
+    from flax import nnx
+
+    from tiderl.export import load_run_params
+
+    ckpt, run, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "export"
+    source = _folder(ckpt, family)
+    _run("tiderl.launch", f"model.checkpoint={ckpt}", f"run_dir={run}", *RUN)
+    # The resolved config is the checkpoint's shape, with its tokenizer.
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert (model["vocab_size"], model["d_model"], model["n_layers"], model["mlp_dim"]) == (
+        640, 32, 2, 64)
+    assert model["tokenizer"] == str(ckpt)
+    assert (model["head_dim"], model["qk_norm"]) == ((16, True) if family == "qwen3" else (8, False))
+    assert model["rope_scaling"] == ("llama3" if family == "llama3.2" else "none")
+    assert (run / "checkpoints" / "4").is_dir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["consumed_tokens"] > 0, summary
+    assert summary["rollout"]["tasks_ended"] > 0
+
+    _run("tiderl.export", str(run), str(out))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf) is type(source)
+    tokens = np.random.default_rng(0).integers(0, 640, (2, 80))
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens)).logits.numpy()
+        before = source.eval()(torch.tensor(tokens)).logits.numpy()
+    loaded = load_run_params(run)
+    policy = nnx.merge(loaded.graphdef, loaded.params)
+    pos = np.broadcast_to(np.arange(80), (2, 80))
+    got, _ = policy(jax.numpy.asarray(tokens), jax.numpy.asarray(pos), np.ones((2, 80), np.int32))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+    assert np.abs(want - before).max() > 1e-4  # the export holds the trained weights
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template and len(tok) <= 640
