@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl.models.sharding import optimizer_shardings, state_shardings
 from tiderl.train.config import TrainerConfig
 from tiderl.train.grpo import LossSpec, cotangent, loss_sum, token_logprobs, token_outputs
+from tiderl.train.head import chunked_token_outputs
 
 BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "loss_mask_bt",
               "behaviour_logprobs_bt", "advantages_bt", "versions_bt")
@@ -69,29 +70,60 @@ def _check_temperature(temperature: float) -> None:
                          "rollouts (rollout.temperature=0) cannot be trained with GRPO")
 
 
-def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
-    """params, batch -> per-token logprobs at the engine's temperature (fp32)."""
-    _check_temperature(temperature)
+def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool):
+    """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
+    head when `head_chunk` > 0 or `remat` asks for it and the policy has them (the built-in
+    Decoder), else through its logits (custom policies)."""
 
-    def logprobs(params: nnx.State, batch: dict) -> jax.Array:
+    def forward(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
-        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
-        return token_logprobs(logits, batch["tokens_bt"], temperature)
+        tokens = batch["tokens_bt"]
+        has_hidden = hasattr(model, "hidden_states") and hasattr(model, "head_vd")
+        if remat and not has_hidden:
+            raise ValueError(f"trainer.remat=true but policy {type(model).__name__} has no "
+                             "hidden_states(..., remat=) method; set trainer.remat=false")
+        if has_hidden and (head_chunk > 0 or remat):
+            h_btd, _ = model.hidden_states(tokens, batch["positions_bt"],
+                                           batch["segment_ids_bt"], remat=remat)
+            if head_chunk > 0:
+                return chunked_token_outputs(h_btd, model.head_vd(), tokens, temperature,
+                                             head_chunk)
+            return token_outputs(model.logits(h_btd), tokens, temperature)
+        logits, _ = model(tokens, batch["positions_bt"], batch["segment_ids_bt"])
+        return token_outputs(logits, tokens, temperature)
 
-    return logprobs
+    return forward
 
 
-def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True):
+def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int = 0):
+    """params, batch -> per-token logprobs at the engine's temperature (fp32).
+
+    `head_chunk` > 0 applies the vocab head that many tokens at a time (train/head.py)."""
+    _check_temperature(temperature)
+    if head_chunk <= 0:
+        def logprobs(params: nnx.State, batch: dict) -> jax.Array:
+            model = nnx.merge(graphdef, params)
+            logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+            return token_logprobs(logits, batch["tokens_bt"], temperature)
+
+        return logprobs
+    forward = _forward(graphdef, temperature, head_chunk, False)
+    return lambda params, batch: forward(params, batch)[0]
+
+
+def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True, *,
+                 head_chunk: int = 0, remat: bool = False):
     """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates.
 
     Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
-    `stop_gradient` they add no B×T×V residual to the saved vjp."""
+    `stop_gradient` they add no B×T×V residual to the saved vjp. `head_chunk` > 0 applies the
+    head in token chunks with a recomputing backward (no B×T×V residual at all); `remat`
+    recomputes each decoder block in the backward (policies with `hidden_states` only)."""
     _check_temperature(temperature)
+    forward = _forward(graphdef, temperature, head_chunk, remat)
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
-        logp, ent = token_outputs(logits, batch["tokens_bt"], temperature)
+        logp, ent = forward(params, batch)
         return logp, ent if entropy_grad else jax.lax.stop_gradient(ent)
 
     return outputs
@@ -142,10 +174,14 @@ class Kernels:
 
 def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
                  temperature: float, sh: TrainShardings,
-                 ref_mesh: Mesh | None = None, ref_param_shardings: Any = None) -> Kernels:
-    """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate)."""
-    logprobs = make_logprobs(graphdef, temperature)
-    outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef))
+                 ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
+                 head_chunk: int = 0, remat: bool = False) -> Kernels:
+    """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate).
+
+    `head_chunk`/`remat`: trainer.head_chunk / trainer.remat (see `make_outputs`)."""
+    logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk)
+    outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
+                           head_chunk=head_chunk, remat=remat)
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
