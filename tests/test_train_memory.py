@@ -71,7 +71,7 @@ def _value_and_grads(outputs, params, batch):
 
 
 @pytest.mark.parametrize("cfg", [TIED, UNTIED], ids=["tied", "untied"])
-@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("chunk", [7, 1000])
 def test_chunked_head_equals_whole_batch_head(cfg, chunk):
     graphdef, params = nnx.split(build_policy(cfg, seed=1))
     batch = _batch()
@@ -118,9 +118,14 @@ def test_remat_gradients_equal():
     (_, (lp1, _)), g1 = _value_and_grads(make_outputs(graphdef, 1.0, remat=True), params, batch)
     np.testing.assert_allclose(lp1, lp0, atol=1e-6, rtol=0)
     assert _rel(g1, g0) < REMAT_RTOL
+    # Really rematerialised: the vjp keeps far less than without remat (block inputs only).
+    def residual_elems(remat):
+        vjp = jax.vjp(lambda q: make_outputs(graphdef, 1.0, remat=remat)(q, batch), params)[1]
+        return sum(x.size for x in jax.tree.leaves(vjp))
+    assert residual_elems(True) < 0.5 * residual_elems(False)
     jaxpr = str(jax.make_jaxpr(lambda p: jax.grad(
         lambda q: jnp.sum(make_outputs(graphdef, 1.0, remat=True)(q, batch)[0]))(p))(params))
-    assert "remat" in jaxpr or "checkpoint" in jaxpr  # the blocks really are rematerialised
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
 
 
 def test_custom_policy_falls_back_to_full_logits():

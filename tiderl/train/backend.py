@@ -216,8 +216,7 @@ class TrainerBackend:
         self._ensure("actor")
         if ref_logprobs.sharding != self.sh.tokens:
             ref_logprobs = jax.device_put(ref_logprobs, self.sh.tokens)
-        if self._grads is None:
-            self._grads = self.k.zeros_like_grads(self.state["params"])
+        # The first micro-batch's gradient becomes the sum (None: no zero-filled copy).
         self._grads, metrics = self.k.backward(vjp, outs, ref_logprobs, batch,
                                                jnp.int32(self.version), self._grads)
         self._metrics.append(metrics)

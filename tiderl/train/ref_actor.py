@@ -7,8 +7,10 @@ optimizer, shardings) and returning module-level-style jitted pure functions of 
 - `actor_forward(params, batch) -> ((logprobs_bt, entropy_bt), vjp)`: the `jax.vjp` object is
   a pytree (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
   Its cotangent is a (logprobs, entropies) pair too (see grpo.py: the exact entropy bonus).
+  The vjp (a `DeferredVjp`) refers to the params it was taken at instead of holding a copy.
 - `backward(vjp, outs, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
-  cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum.
+  cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum (None for
+  the step's first micro-batch: no zero-filled sum).
   `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
 - `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
   clips by global norm, AdamW with a schedule; the train state is donated.
@@ -156,6 +158,54 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation,
     return make(params)
 
 
+@jax.tree_util.register_pytree_node_class
+class DeferredVjp:
+    """`jax.vjp` of params → outputs, without its residuals that *are* the params.
+
+    A `jax.vjp` object returned from a jit holds every residual as a fresh output buffer, the
+    parameters included (they are residuals of every matmul): one more copy of the weights
+    would live from each Actor forward to its backward. Here those slots are left empty inside
+    the jit and filled, outside it, with the caller's own param arrays (no copy); the params
+    must not change before the backward (the backend applies updates only after every
+    micro-batch's backward). Calling it is calling the vjp.
+    """
+
+    def __init__(self, treedef: Any, slots: tuple[int, ...], residuals: tuple,
+                 params: tuple = ()):
+        self.treedef, self.slots = treedef, slots
+        self.residuals, self.params = residuals, params
+
+    @classmethod
+    def strip(cls, vjp: Any, params: Any) -> DeferredVjp:
+        """Inside the trace: residual leaves identical to a param leaf become slot indices."""
+        leaves, treedef = jax.tree.flatten(vjp)
+        index = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+        slots, residuals = [], []
+        for leaf in leaves:
+            if id(leaf) in index:
+                slots.append(index[id(leaf)])
+            else:
+                slots.append(-1)
+                residuals.append(leaf)
+        return cls(treedef, tuple(slots), tuple(residuals))
+
+    def with_params(self, params: Any) -> DeferredVjp:
+        return DeferredVjp(self.treedef, self.slots, self.residuals,
+                           tuple(jax.tree.leaves(params)))
+
+    def __call__(self, cot: Any) -> Any:
+        res = iter(self.residuals)
+        leaves = [next(res) if i < 0 else self.params[i] for i in self.slots]
+        return jax.tree.unflatten(self.treedef, leaves)(cot)
+
+    def tree_flatten(self):
+        return (self.residuals, self.params), (self.treedef, self.slots)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux[0], aux[1], *children)
+
+
 @dataclasses.dataclass
 class Kernels:
     """The jitted functions of one (graphdef, mesh) pair; `traces` counts retraces per name."""
@@ -206,15 +256,21 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
 
     def actor_fwd(params, batch):
         count("actor_forward")
-        return jax.vjp(lambda p: outputs(p, batch), params)
+        outs, vjp = jax.vjp(lambda p: outputs(p, batch), params)
+        return outs, DeferredVjp.strip(vjp, params)
 
-    actor_forward = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+
+    def actor_forward(params, batch):
+        outs, vjp = actor_forward_jit(params, batch)
+        return outs, vjp.with_params(params)
 
     def bwd(vjp, outs, ref_logp, batch, version, acc):
         count("backward")
         cot, metrics = cotangent(outs, ref_logp, batch, version, spec)
         (g,) = vjp(cot)
-        return jax.tree.map(jnp.add, acc, g), metrics
+        # acc None: the step's first micro-batch, no zero-filled sum to add to.
+        return (g if acc is None else jax.tree.map(jnp.add, acc, g)), metrics
 
     # Only the gradient sum is donated: the vjp residuals have no output of their shape to alias.
     backward = jax.jit(bwd, donate_argnums=(5,), out_shardings=(sh.params, None))
@@ -229,14 +285,19 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         count("apply")
         grads = jax.tree.map(lambda g: g / denom, grads_sum)
         gnorm = optax.tree.norm(grads)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+
+        def update(s):
+            updates, opt = tx.update(grads, s["opt"], s["params"])
+            return {"params": optax.apply_updates(s["params"], updates), "opt": opt}
+
         # A non-finite gradient skips the update (params and moments unchanged); the step still
-        # counts, so checkpoint numbering follows the controller's steps.
+        # counts, so checkpoint numbering follows the controller's steps. A cond, not a
+        # where(ok, new, old): that kept old and new moments alive together (one more copy of
+        # the largest parameter in the compiled update's temporaries).
+        kept = {"params": state["params"], "opt": state["opt"]}
         ok = jnp.isfinite(gnorm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        return ({"params": keep(params, state["params"]), "opt": keep(opt, state["opt"]),
-                 "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok})
+        new = jax.lax.cond(ok, update, lambda s: s, kept)
+        return {**new, "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok}
 
     apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
                     out_shardings=(sh.state, None), donate_argnums=(0,))
