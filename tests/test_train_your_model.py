@@ -20,10 +20,8 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
-RUN = ["controller.steps=4", "controller.checkpoint_every=2", "controller.eval_every=0",
-       "controller.console=false", "controller.groups_per_step=2",
-       "controller.groups_per_microbatch=1", "env.group_size=4", "rollout.max_context=256",
-       "rollout.max_action_tokens=4", "trainer.row_len=256"]
+# The README's CPU smoke preset, made 4 steps long.
+RUN = ["--config", "configs/cpu-smoke.yaml", "controller.steps=4"]
 SHAPE = dict(vocab_size=640, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
@@ -57,6 +55,7 @@ def _run(module, *args, timeout=600):
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3.2", "qwen3"])
 def test_train_a_checkpoint_and_export_it_back(tmp_path, family):
+    """The preset is model-independent: the same command trains each family."""
     import jax
     from flax import nnx
 
@@ -92,3 +91,20 @@ def test_train_a_checkpoint_and_export_it_back(tmp_path, family):
     assert np.abs(want - before).max() > 1e-4  # the export holds the trained weights
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and len(tok) <= 640
+
+
+@pytest.mark.parametrize("preset,devices", [("cpu-smoke", 2), ("gpu-1", 1), ("gpu-8", 8)])
+def test_presets_compose_with_a_checkpoint(tmp_path, preset, devices):
+    """Real-model presets start from the components' defaults (not the toy run's), take the
+    shape from the checkpoint, and lay out their devices."""
+    from tiderl.config import CONFIG_DIR, RunConfig, load_config
+
+    ckpt = tmp_path / "ckpt"
+    _folder(ckpt, "qwen2")
+    cfg = load_config(str(CONFIG_DIR / f"{preset}.yaml"), [f"model.checkpoint={ckpt}"])
+    assert cfg.model.d_model == 32 and cfg.model.tokenizer == str(ckpt)
+    toy = RunConfig()
+    assert cfg.rollout.max_action_tokens > toy.rollout.max_action_tokens
+    assert cfg.trainer.head_chunk > 0 and cfg.trainer.remat
+    plan = cfg.device_plan(devices)
+    assert plan.rollout and plan.actor

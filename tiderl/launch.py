@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "config.yaml is the base; overrides still apply)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides applied after the preset")
-    return p.parse_args(argv)
+    # Overrides may come before, between or after the flags.
+    return p.parse_intermixed_args(argv)
 
 
 def validate(cfg: RunConfig) -> None:
