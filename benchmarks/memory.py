@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.analyze:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiderl
         analyze(args)
         return
     if args.child:
