@@ -73,7 +73,6 @@ def child(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
 
     from tiderl.models.config import ModelConfig
     from tiderl.models.policy import init_policy
@@ -98,7 +97,8 @@ def child(args: argparse.Namespace) -> None:
     mesh = make_mesh(jax.devices()[:1], data=1)
     graphdef, params = init_policy(mcfg, seed=0, mesh=mesh)
     tx = make_optimizer(tcfg)
-    sh = train_shardings(jax.eval_shape(lambda: params), tx, mesh)
+    sh = train_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+                        tx, mesh)
     opt = jax.jit(tx.init, out_shardings=sh.state["opt"])(params)
     state = {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
     del params, opt
@@ -181,8 +181,8 @@ def analyze(args: argparse.Namespace) -> None:
         mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=args.layers, n_heads=14,
                            n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
                            param_dtype=pd, compute_dtype=cd)
-        graphdef, ap = nnx.split(nnx.eval_shape(lambda: policy_class(mcfg)(  # noqa: B023
-            mcfg, rngs=nnx.Rngs(0))))
+        graphdef, ap = nnx.split(nnx.eval_shape(
+            lambda mcfg=mcfg: policy_class(mcfg)(mcfg, rngs=nnx.Rngs(0))))
         ap = jax.tree.map(lambda x: sds(x.shape, x.dtype), ap)
         mesh = make_mesh(jax.devices()[:1], data=1)
         tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, head_chunk=chunk, remat=remat)
@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.analyze:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiderl
         analyze(args)
         return
     if args.child:
