@@ -20,27 +20,31 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
-# The README's CPU smoke preset, made 4 steps long.
-RUN = ["--config", "configs/cpu-smoke.yaml", "controller.steps=4"]
+# The README's CPU smoke preset, made 4 steps long. A tiny random model never wins the default
+# task, so every group's rewards are equal: keep those groups and let an entropy bonus and a
+# large learning rate move the weights, so the export can be told from the source.
+RUN = ["--config", "configs/cpu-smoke.yaml", "controller.steps=4", "trainer.zero_var_groups=keep",
+       "trainer.entropy_coef=0.01", "trainer.lr=1e-3"]
 SHAPE = dict(vocab_size=640, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
-def _folder(path, family):
+def _folder(path, family, **shape):
     torch.manual_seed(0)
+    shape = {**SHAPE, **shape}
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-            **SHAPE, tie_word_embeddings=True))
+            **shape, tie_word_embeddings=True))
         qwen25(path)
     elif family == "llama3.2":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **SHAPE, tie_word_embeddings=True, rope_theta=500000.0,
+            **shape, tie_word_embeddings=True, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))
         llama(path, LLAMA32)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **SHAPE, head_dim=16, tie_word_embeddings=False))
+            **shape, head_dim=16, tie_word_embeddings=False))
         qwen3(path)
     model.save_pretrained(path)
     return model
@@ -100,7 +104,7 @@ def test_presets_compose_with_a_checkpoint(tmp_path, preset, devices):
     from tiderl.config import CONFIG_DIR, RunConfig, load_config
 
     ckpt = tmp_path / "ckpt"
-    _folder(ckpt, "qwen2")
+    _folder(ckpt, "qwen2", max_position_embeddings=32768)  # the GPU presets' 4,096 contexts
     cfg = load_config(str(CONFIG_DIR / f"{preset}.yaml"), [f"model.checkpoint={ckpt}"])
     assert cfg.model.d_model == 32 and cfg.model.tokenizer == str(ckpt)
     toy = RunConfig()

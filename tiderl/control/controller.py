@@ -101,6 +101,9 @@ class Controller:
         self.nonfinite_total = 0
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()
+        # Groups dropped since a group last reached the trainer, and when to say so next.
+        self._dropped_mark = 0
+        self._starve_warn_at = 0
         self._eval_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -224,7 +227,25 @@ class Controller:
                 break
             self._ready.clear()
             await self._wait(self._ready)
+            self._warn_if_starved()
         return self.now() - t0
+
+    def _warn_if_starved(self) -> None:
+        """Says so when groups keep ending but none is trainable (all rewards equal, failed
+        tasks, staleness): such a run would otherwise wait in silence. Warns at 16 dropped
+        groups (or 4 steps' worth), then each time the count doubles."""
+        dropped = sum(self.buffer.dropped.values()) - self._dropped_mark
+        first = max(16, 4 * self.cfg.groups_per_step)
+        if dropped < max(first, self._starve_warn_at):
+            return
+        self._starve_warn_at = 2 * dropped
+        log.warning(
+            "step %d: %d groups ended since the last trainable one and none could be trained "
+            "(dropped: %s). zero_variance: every reward in the group was equal, so GRPO has no "
+            "signal; give the task a graded reward (e.g. env.options=[format_bonus=0.1] for the "
+            "default task) or set trainer.zero_var_groups=keep; failed_tasks: see the env "
+            "server's log; controller.time_limit_s bounds the wait.",
+            self.step, dropped, dict(self.buffer.dropped))
 
     async def _train_step(self) -> dict:
         c = self.cfg
@@ -258,6 +279,7 @@ class Controller:
                     break
                 continue
             taken += groups
+            self._dropped_mark, self._starve_warn_at = sum(self.buffer.dropped.values()), 0
             seqs = [s for g in groups for s in g.seqs]
             final = len(taken) >= c.groups_per_step
             for mb in self.hooks.make_microbatches(seqs, final):
