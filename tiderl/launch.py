@@ -175,6 +175,11 @@ def setup_logging() -> None:
     from rich.logging import RichHandler
 
     root = logging.getLogger()
+    # A library's module-level logging.warning() may have installed a plain stderr handler
+    # (logging.basicConfig's); with it every message would print twice.
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler:
+            root.removeHandler(h)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
         handler = RichHandler(show_path=False, log_time_format="[%X]")
         handler.setFormatter(logging.Formatter("%(message)s"))

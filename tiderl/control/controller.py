@@ -101,9 +101,7 @@ class Controller:
         self.nonfinite_total = 0
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()
-        # Groups dropped since a group last reached the trainer, and when to say so next.
-        self._dropped_mark = 0
-        self._starve_warn_at = 0
+        self._starve_warn_at = 0  # when to say again that no group is trainable
         self._eval_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -231,21 +229,25 @@ class Controller:
         return self.now() - t0
 
     def _warn_if_starved(self) -> None:
-        """Says so when groups keep ending but none is trainable (all rewards equal, failed
-        tasks, staleness): such a run would otherwise wait in silence. Warns at 16 dropped
-        groups (or 4 steps' worth), then each time the count doubles."""
-        dropped = sum(self.buffer.dropped.values()) - self._dropped_mark
+        """Says so when groups keep ending but none becomes trainable (all rewards equal, or
+        too few tasks ok): such a run would otherwise wait in silence. Warns once 16 groups (or
+        4 steps' worth) in a row were dropped, then each time that count doubles."""
+        in_a_row = self.buffer.drops_in_a_row
         first = max(16, 4 * self.cfg.groups_per_step)
-        if dropped < max(first, self._starve_warn_at):
+        if in_a_row < first:
+            self._starve_warn_at = 0
             return
-        self._starve_warn_at = 2 * dropped
+        if in_a_row < self._starve_warn_at:
+            return
+        self._starve_warn_at = 2 * in_a_row
         log.warning(
-            "step %d: %d groups ended since the last trainable one and none could be trained "
-            "(dropped: %s). zero_variance: every reward in the group was equal, so GRPO has no "
-            "signal; give the task a graded reward (e.g. env.options=[format_bonus=0.1] for the "
-            "default task) or set trainer.zero_var_groups=keep; failed_tasks: see the env "
-            "server's log; controller.time_limit_s bounds the wait.",
-            self.step, dropped, dict(self.buffer.dropped))
+            "step %d: the last %d groups to end could not be trained (dropped so far: %s). "
+            "zero_variance: every reward in the group was equal, so GRPO has no signal; give "
+            "the task a graded reward (e.g. env.options=[format_bonus=0.1] for the default "
+            "task) or set trainer.zero_var_groups=keep. failed_tasks: fewer than "
+            "controller.min_ok_per_group tasks ended ok; see the env server's log. "
+            "controller.time_limit_s bounds the wait.",
+            self.step, in_a_row, dict(self.buffer.dropped))
 
     async def _train_step(self) -> dict:
         c = self.cfg
@@ -279,7 +281,6 @@ class Controller:
                     break
                 continue
             taken += groups
-            self._dropped_mark, self._starve_warn_at = sum(self.buffer.dropped.values()), 0
             seqs = [s for g in groups for s in g.seqs]
             final = len(taken) >= c.groups_per_step
             for mb in self.hooks.make_microbatches(seqs, final):
