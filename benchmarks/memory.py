@@ -221,6 +221,9 @@ def main() -> None:
     ap.add_argument("--rss-limit-gb", type=float, default=18.0)
     ap.add_argument("--analyze", action="store_true",
                     help="compile only: XLA's temp/argument sizes of the train kernels")
+    ap.add_argument("--concurrent-scheduler", action="store_true",
+                    help="keep XLA:CPU's default concurrency-ordered scheduler (launch turns it "
+                         "off with trainer.remat; --analyze follows XLA_FLAGS as set)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.analyze:
@@ -231,8 +234,13 @@ def main() -> None:
         child(args)
         return
     root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from tiderl.cluster import CPU_LOW_MEMORY_FLAG
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     env.pop("XLA_FLAGS", None)  # one real CPU device, no fake devices
+    if not args.concurrent_scheduler:  # as launch does with trainer.remat (tiderl.cluster)
+        env["XLA_FLAGS"] = CPU_LOW_MEMORY_FLAG
     results = []
     for name in args.variants.split(","):
         if name not in VARIANTS:

@@ -83,7 +83,7 @@ def build(cfg: RunConfig):
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
         cfg.device_plan(cfg.cluster.fake_cpu_devices)
-    devices = init_jax(cfg.cluster)
+    devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
     plan = cfg.device_plan(len(devices))
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
