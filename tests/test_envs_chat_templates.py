@@ -569,7 +569,8 @@ def test_launch_validate_accepts_a_system_prompt_for_a_checkpoint_template(tmp_p
     from tiderl.launch import validate
 
     llama(tmp_path / "llama", LLAMA31)
-    validate(load_config(None, [f"model.tokenizer={tmp_path / 'llama'}",
+    # The tiny tokenizers here have a few hundred tokens: an embedding that fits them.
+    validate(load_config(None, [f"model.tokenizer={tmp_path / 'llama'}", "model.vocab_size=1024",
                                 "controller.system_prompt=Play well."]))
     # A checkpoint whose template is not turn-decomposable is a config error on model.tokenizer.
     qwen3(tmp_path / "qwen3")
@@ -578,5 +579,6 @@ def test_launch_validate_accepts_a_system_prompt_for_a_checkpoint_template(tmp_p
     (tmp_path / "qwen3" / "tokenizer_config.json").write_text(json.dumps(cfg))
     (tmp_path / "qwen3" / "chat_template.jinja").unlink()
     assert load_tokenizer(str(tmp_path / "qwen3")).chat_template == cfg["chat_template"]
-    with pytest.raises(ConfigError, match="config key 'model.tokenizer'"):
-        validate(load_config(None, [f"model.tokenizer={tmp_path / 'qwen3'}"]))
+    with pytest.raises(ConfigError, match="config key 'model.tokenizer'.*renders turn by turn"):
+        validate(load_config(None, [f"model.tokenizer={tmp_path / 'qwen3'}",
+                                    "model.vocab_size=1024"]))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError

@@ -25,11 +25,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from tiderl.control.buffer import Readiness, ReadinessBuffer, ReadyGroup
+from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
 from tiderl.control.ers import KeepSplit, Planner, Roles
 from tiderl.control.metrics import MetricsSink

@@ -70,9 +70,9 @@ from tiderl.serving.config import RolloutConfig
 from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
 from tiderl.serving.pages import (
     EngineCounters,
-    PrefillRequest,
     PageAllocator,
     PoolExhaustedError,
+    PrefillRequest,
     Prefix,
     ResultTokens,
     StaleKVError,
