@@ -79,9 +79,10 @@ def test_run_stops_with_a_clear_error_when_every_rollout_rank_fails(tmp_path):
         asyncio.set_event_loop(None)
 
 
-def test_time_limit_ends_a_run_whose_groups_never_become_trainable(tmp_path):
-    """Every group has zero reward variance and is dropped, so no step can form: the run still
-    ends at its time limit (virtual seconds) instead of waiting forever."""
+def test_time_limit_ends_a_run_whose_groups_never_become_trainable(tmp_path, caplog):
+    """Every group has zero reward variance and is dropped, so no step can form: the run says
+    why (a warning naming the fix) and still ends at its time limit (virtual seconds) instead of
+    waiting forever."""
     import dataclasses
 
     import looptime
@@ -105,6 +106,10 @@ def test_time_limit_ends_a_run_whose_groups_never_become_trainable(tmp_path):
         asyncio.set_event_loop(None)
     assert out["trainer_steps"] == 0 and not [r for r in out["records"] if r["kind"] == "step"]
     assert 60.0 <= ended < 61.0
+    warned = [r.getMessage() for r in caplog.records if "could not be trained" in r.getMessage()]
+    assert warned and "zero_variance" in warned[0] and "zero_var_groups=keep" in warned[0]
+    counts = [int(m.split("the last ")[1].split()[0]) for m in warned]
+    assert counts[0] >= 16 and counts == sorted(counts) and len(counts) < 8  # doubling, not spam
 
 
 def test_a_run_ended_by_its_time_limit_checkpoints_its_last_step(tmp_path):

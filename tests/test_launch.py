@@ -122,3 +122,28 @@ def test_new_run_sets_the_previous_one_aside(tmp_path):
     assert set_aside_previous_run(run) == tmp_path / "default.2"
     assert (tmp_path / "default.1" / "metrics.jsonl").read_text() == '{"kind": "step"}\n'
     assert (tmp_path / "default.1" / "checkpoints" / "100").is_dir()
+
+
+def test_messages_print_once_even_after_a_library_called_basic_config():
+    """A library's module-level logging.warning() installs a plain stderr handler; launch's
+    console handler replaces it instead of printing every message twice."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    from tiderl.launch import setup_logging
+
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        for h in saved:
+            root.removeHandler(h)
+        logging.basicConfig()
+        setup_logging()
+        kinds = [type(h) for h in root.handlers]
+        assert kinds.count(RichHandler) == 1 and logging.StreamHandler not in kinds
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)

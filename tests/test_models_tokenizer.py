@@ -22,3 +22,51 @@ def test_hf_tokenizer_specials_keep_id_zero(tmp_path):
     assert tok.eos_id == 0 and tok.pad_id == 1 and tok.vocab_size == 4
     with pytest.raises(FileNotFoundError, match="model.tokenizer"):
         HFTokenizer(tmp_path / "missing")
+
+
+def _folder_with_specials(path):
+    t = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    t.add_special_tokens(["<s>", "</s>", "<|eot|>", "<|eom|>", "<pad>"])
+    path.mkdir(parents=True, exist_ok=True)
+    t.save(str(path / "tokenizer.json"))
+    return t
+
+
+def test_hf_tokenizer_reads_a_checkpoint_folder(tmp_path):
+    """tokenizer_config.json (specials as text or as AddedToken dicts, a chat_template), a
+    chat_template.jinja that wins over it, and generation_config.json's eos list."""
+    import json
+
+    t = _folder_with_specials(tmp_path)
+    ids = {n: t.token_to_id(n) for n in ("<s>", "</s>", "<|eot|>", "<|eom|>", "<pad>")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "special": True},
+        "eos_token": "<|eot|>", "pad_token": "<pad>", "unk_token": None,
+        "chat_template": [{"name": "tool_use", "template": "T"},
+                          {"name": "default", "template": "{{ bos_token }}D"}]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["</s>"], ids["<|eom|>"], ids["<|eot|>"]]}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.chat_template == "{{ bos_token }}D"  # the 'default' of a list of templates
+    assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "<|eot|>", "pad_token": "<pad>"}
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "<|eot|>")
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ids["<s>"], ids["<|eot|>"], ids["<pad>"])
+    # The config's eos first, then generation_config's, without repeats.
+    assert tok.eos_ids == (ids["<|eot|>"], ids["</s>"], ids["<|eom|>"])
+    assert tok.added_tokens["<|eom|>"] == ids["<|eom|>"]
+
+    (tmp_path / "chat_template.jinja").write_text("J{{ eos_token }}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["</s>"]}))
+    tok = HFTokenizer(tmp_path / "tokenizer.json")  # a file path reads its folder too
+    assert tok.chat_template == "J{{ eos_token }}"
+    assert tok.eos_ids == (ids["<|eot|>"], ids["</s>"])
+
+
+def test_hf_tokenizer_without_config_has_no_chat_facts(tmp_path):
+    _folder_with_specials(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    assert tok.chat_template is None and tok.eos_ids == () and tok.special_tokens == {}
+    assert tok.eos_id == tok.token_to_id("</s>") and tok.bos_id == tok.token_to_id("<s>")
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.tokenizer"):
+        HFTokenizer(tmp_path)

@@ -144,6 +144,12 @@ def test_resume_mismatch_is_a_config_error(tmp_path):
                           actor_mesh=be.actor_mesh, policy=policy)
     with pytest.raises(ConfigError, match="different train state"):
         ck.restore(be_o)
+    # A checkpoint written before a ModelConfig key existed reads that key as its default.
+    meta_file = tmp_path / "ck" / "0" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    for key in ("qk_norm", "rope_scaling", "rope_factor"):
+        del meta["model"][key]
+    meta_file.write_text(json.dumps(meta))
     be.train_step(microbatches(synthetic_trajectories(12, vocab=64, min_len=6, max_len=30),
                                n_ranks=2, row_len=64, rows_per_rank=2)[0])  # moves on; the restore must bring step 0 back exactly
     ck.restore(be)

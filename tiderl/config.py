@@ -124,12 +124,108 @@ class RunConfig:
         return dump_yaml(self)
 
 
+def component_defaults() -> dict[str, Any]:
+    """Each component's own defaults, without the embedded default run's toy choices: where
+    presets for real models start (`base: components` at the top of the preset)."""
+    return {**to_dict(RunConfig()), "rollout": to_dict(RolloutConfig()),
+            "trainer": to_dict(TrainerConfig()), "env": to_dict(EnvConfig()),
+            "controller": to_dict(ControllerConfig())}
+
+
+# What a preset starts from: its top-level `base:` key (the embedded default run if absent).
+BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaults}
+
+# Model keys the run chooses; every other `model.*` key describes the network's shape, which a
+# checkpoint (`model.checkpoint`, `model.init_from`) defines.
+MODEL_RUN_KEYS = frozenset({"policy", "checkpoint", "init_from", "tokenizer", "param_dtype",
+                            "compute_dtype", "init_std"})
+
+
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Defaults ← YAML preset at `path` ← dotted `overrides`; validated, or ConfigError."""
-    # Presets and overrides apply on top of the run defaults (not the component defaults).
-    data: dict[str, Any] = merge(to_dict(RunConfig()), load_yaml(path) if path else {})
+    """Defaults ← YAML preset at `path` ← dotted `overrides`; validated, or ConfigError.
+
+    With `model.checkpoint` (or `model.init_from`) the checkpoint's shape fills every shape key
+    of `model`; a shape key the preset or an override sets to another value is an error."""
+    preset = load_yaml(path) if path else {}
+    base = preset.pop("base", "default")
+    if base not in BASES:
+        raise ConfigError(f"config file {path!r}: 'base: {base}' is not one of "
+                          f"{', '.join(BASES)}; 'default' starts from the embedded default run, "
+                          "'components' from each component's own defaults")
+    data: dict[str, Any] = merge(BASES[base](), preset)
     data = apply_overrides(RunConfig, data, overrides)
+    explicit = merge(dict(preset.get("model") or {}),
+                     apply_overrides(RunConfig, {}, overrides).get("model", {}))
+    data["model"] = resolve_model(data["model"], explicit)
     return from_dict(RunConfig, data)
+
+
+def resolve_model(model: dict[str, Any], explicit: dict[str, Any]) -> dict[str, Any]:
+    """The `model` section with its shape taken from the checkpoint it names, if any.
+
+    `explicit` holds the keys a preset or override set: those must agree with the checkpoint.
+    `model.tokenizer`, when not set, becomes the checkpoint folder if it holds a tokenizer."""
+    source, shape = checkpoint_shape(model)
+    if source is None:
+        return model
+    out = dict(model)
+    wrong = [f"model.{k}={explicit[k]!r} (the checkpoint has {v!r})"
+             for k, v in shape.items() if k in explicit and explicit[k] != v]
+    if wrong:
+        raise ConfigError(
+            f"config key {wrong[0].split('=')[0]!r} disagrees with {source}: {'; '.join(wrong)}; "
+            "the checkpoint defines the model's shape: drop these keys")
+    out.update(shape)
+    if "tokenizer" not in explicit:
+        out["tokenizer"] = default_tokenizer(model)
+    return out
+
+
+def default_tokenizer(model: dict[str, Any]) -> str:
+    """`model.tokenizer` when not set: the checkpoint folder if it holds a tokenizer.json, the
+    source run's tokenizer for `model.init_from`, else the built-in byte tokenizer."""
+    if ckpt := model.get("checkpoint"):
+        return ckpt if (Path(ckpt) / "tokenizer.json").is_file() else "byte"
+    if spec := model.get("init_from"):
+        src = Path(split_init_from(spec)[0]) / "config.yaml"
+        return str((load_yaml(str(src)).get("model") or {}).get("tokenizer", "byte"))
+    return model.get("tokenizer", "byte")
+
+
+def checkpoint_shape(model: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(where the shape came from, the shape keys) for `model.checkpoint` or
+    `model.init_from`; (None, {}) when the model is initialised from its own keys."""
+    if model.get("checkpoint") and model.get("init_from"):
+        raise ConfigError("config keys 'model.checkpoint' and 'model.init_from' are both set; "
+                          "start from one: an HF folder or a tiderl run")
+    if model.get("checkpoint"):
+        from tiderl.models.hf import load_hf_config  # reads config.json only
+
+        try:
+            hf = to_dict(load_hf_config(model["checkpoint"]))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"config key 'model.checkpoint'={model['checkpoint']!r}: {e}") from e
+        return (f"model.checkpoint={model['checkpoint']!r}",
+                {k: v for k, v in hf.items() if k not in MODEL_RUN_KEYS})
+    if model.get("init_from"):
+        run_dir, _ = split_init_from(model["init_from"])
+        src = Path(run_dir) / "config.yaml"
+        if not src.is_file():
+            raise ConfigError(f"config key 'model.init_from'={model['init_from']!r}: no "
+                              f"config.yaml in {run_dir!r}; name a folder a tiderl run wrote")
+        # A run's config.yaml holds its resolved shape, whatever that run started from.
+        theirs = dict(load_yaml(str(src)).get("model") or {})
+        return (f"model.init_from={model['init_from']!r}",
+                {k: v for k, v in theirs.items() if k not in MODEL_RUN_KEYS})
+    return None, {}
+
+
+def split_init_from(spec: str) -> tuple[str, int | None]:
+    """'RUN_DIR' or 'RUN_DIR:STEP' → (RUN_DIR, STEP or None)."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and tail.isdigit():
+        return head, int(tail)
+    return spec, None
 
 
 def default_preset() -> str:

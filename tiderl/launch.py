@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
@@ -43,7 +43,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "config.yaml is the base; overrides still apply)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides applied after the preset")
-    return p.parse_args(argv)
+    # Overrides may come before, between or after the flags.
+    return p.parse_intermixed_args(argv)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -55,9 +56,15 @@ def validate(cfg: RunConfig) -> None:
 
     check_policy(cfg.model)
     try:
-        template = template_for(load_tokenizer(cfg.model.tokenizer), "auto")
+        tok = load_tokenizer(cfg.model.tokenizer)
+        template = template_for(tok, "auto")
     except ValueError as e:
         raise ConfigError(f"config key 'model.tokenizer'={cfg.model.tokenizer!r}: {e}") from e
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"config key 'model.tokenizer'={cfg.model.tokenizer!r} has {tok.vocab_size:,} tokens "
+            f"but the model's embedding has model.vocab_size={cfg.model.vocab_size:,} rows; use "
+            "the tokenizer the checkpoint was trained with (or raise model.vocab_size)")
     if cfg.controller.system_prompt and not template.system_open:
         raise ConfigError(
             f"config key 'controller.system_prompt' is set, but the {template.name!r} turn "
@@ -68,26 +75,38 @@ def validate(cfg: RunConfig) -> None:
 
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
+    import jax
+
     from tiderl.cluster import init_jax, role_meshes
-    from tiderl.models.policy import init_policy
+    from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
         cfg.device_plan(cfg.cluster.fake_cpu_devices)
-    devices = init_jax(cfg.cluster)
+    devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
     plan = cfg.device_plan(len(devices))
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
+    # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
+    # resolved it) and its numerics (compute dtype) are the run's.
+    graphdef, abstract = abstract_policy(cfg.model)
     if cfg.model.checkpoint:
         from flax import nnx
 
         from tiderl.models.hf import from_pretrained
 
-        model = from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
-                                mesh=meshes["actor"])
-        graphdef, params = nnx.split(model)
+        _, params = nnx.split(from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
+                                              mesh=meshes["actor"]))
+    elif cfg.model.init_from:
+        from tiderl.config import split_init_from
+        from tiderl.export import load_run_params
+
+        params = load_run_params(*split_init_from(cfg.model.init_from),
+                                 mesh=meshes["actor"]).params
+        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
     else:
         graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])
+    check_contract(graphdef, params, cfg.model)
     return devices, plan, meshes, graphdef, params
 
 
@@ -156,6 +175,11 @@ def setup_logging() -> None:
     from rich.logging import RichHandler
 
     root = logging.getLogger()
+    # A library's module-level logging.warning() may have installed a plain stderr handler
+    # (logging.basicConfig's); with it every message would print twice.
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler:
+            root.removeHandler(h)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
         handler = RichHandler(show_path=False, log_time_format="[%X]")
         handler.setFormatter(logging.Formatter("%(message)s"))

@@ -62,6 +62,8 @@ class ReadinessBuffer:
         self.hol_tau = hol_tau
         self.ready: deque[ReadyGroup] = deque()
         self.dropped: Counter[str] = Counter()
+        self.drops_in_a_row = 0
+        """Groups dropped since the last one that became trainable."""
         self.failed_tasks: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self._uids = itertools.count()
@@ -78,10 +80,12 @@ class ReadinessBuffer:
         gid = trajs[0].group_id if trajs else "?"
         if len(ok) < self.min_ok:
             self.dropped["failed_tasks"] += 1
+            self.drops_in_a_row += 1
             return None
         adv = group_advantages([[t.reward for t in ok]], eps=self.adv_eps, zero_var=self.zero_var)
         if not adv.keep[0]:
             self.dropped["zero_variance"] += 1
+            self.drops_in_a_row += 1
             return None
         seqs = [TrainSeq(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
                          action_mask=np.asarray(t.loss_mask, bool),
@@ -94,6 +98,7 @@ class ReadinessBuffer:
                        action_tokens=sum(t.action_token_count for t in ok),
                        reward_mean=float(np.mean([t.reward for t in ok])))
         self.ready.append(g)
+        self.drops_in_a_row = 0
         if self._step_t0 is not None:
             self._arrivals.append(now)
         return g

@@ -25,11 +25,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from tiderl.control.buffer import Readiness, ReadinessBuffer, ReadyGroup
+from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
 from tiderl.control.ers import KeepSplit, Planner, Roles
 from tiderl.control.metrics import MetricsSink
@@ -101,6 +100,7 @@ class Controller:
         self.nonfinite_total = 0
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()
+        self._starve_warn_at = 0  # when to say again that no group is trainable
         self._eval_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -224,7 +224,29 @@ class Controller:
                 break
             self._ready.clear()
             await self._wait(self._ready)
+            self._warn_if_starved()
         return self.now() - t0
+
+    def _warn_if_starved(self) -> None:
+        """Says so when groups keep ending but none becomes trainable (all rewards equal, or
+        too few tasks ok): such a run would otherwise wait in silence. Warns once 16 groups (or
+        4 steps' worth) in a row were dropped, then each time that count doubles."""
+        in_a_row = self.buffer.drops_in_a_row
+        first = max(16, 4 * self.cfg.groups_per_step)
+        if in_a_row < first:
+            self._starve_warn_at = 0
+            return
+        if in_a_row < self._starve_warn_at:
+            return
+        self._starve_warn_at = 2 * in_a_row
+        log.warning(
+            "step %d: the last %d groups to end could not be trained (dropped so far: %s). "
+            "zero_variance: every reward in the group was equal, so GRPO has no signal; give "
+            "the task a graded reward (e.g. env.options=[format_bonus=0.1] for the default "
+            "task) or set trainer.zero_var_groups=keep. failed_tasks: fewer than "
+            "controller.min_ok_per_group tasks ended ok; see the env server's log. "
+            "controller.time_limit_s bounds the wait.",
+            self.step, in_a_row, dict(self.buffer.dropped))
 
     async def _train_step(self) -> dict:
         c = self.cfg

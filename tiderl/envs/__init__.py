@@ -18,5 +18,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "endpoint": "tiderl.envs.server",
     "eval_tasks": "tiderl.envs.tasks",
     "grain_iterator": "tiderl.envs.tasks",
+    "jinja_template": "tiderl.envs.chat_templates",
     "template_for": "tiderl.envs.templates",
 })

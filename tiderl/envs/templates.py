@@ -15,6 +15,8 @@ Families:
           (the embedded default: role markers only, no role names, so tiny models see few tokens)
   chatml  Qwen2 / Qwen2.5: <|im_start|>user\\nobs<|im_end|>\\n<|im_start|>assistant\\n ...
   llama3  <|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nobs<|eot_id|>...
+  jinja   the checkpoint's own chat template (tokenizer_config.json / chat_template.jinja),
+          decomposed into these pieces once (tiderl/envs/chat_templates.py); 'auto' prefers it
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class TurnTemplate:
     system_close: tuple[Part, ...] = ()
     extra_stop: tuple[int, ...] = ()
     """Also end an action (e.g. <|endoftext|>) but are not used to close one."""
+    default_system: tuple[Part, ...] = ()
+    """Written where the system turn goes when no system prompt is given (Qwen2.5's default
+    system message, Llama 3.1's date header)."""
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -72,17 +77,25 @@ class TurnTemplate:
             ids += self.tokenizer.encode("".join(run))
         return ids
 
+    def _user_text(self, text: str) -> str:
+        return text
+
+    def _system_text(self, text: str) -> str:
+        return text
+
     def _user_turn(self, text: str) -> list[Part]:
-        return [*self.user_open, text, *self.user_close, *self.assistant_open]
+        return [*self.user_open, self._user_text(text), *self.user_close, *self.assistant_open]
 
     def prompt(self, observation: str, *, system: str | None = None) -> list[int]:
         """The task's first prefill: begin, optional system turn, first observation, and the
         assistant header the action is generated after."""
         parts: list[Part] = list(self.begin)
-        if system is not None:
+        if system is None:
+            parts += self.default_system
+        else:
             if not self.system_open:
                 raise ValueError(f"template {self.name!r} has no system turn; pass system=None")
-            parts += [*self.system_open, system, *self.system_close]
+            parts += [*self.system_open, self._system_text(system), *self.system_close]
         return self.render(parts + self._user_turn(observation))
 
     def observation(self, text: str, *, action_stopped: bool = True) -> list[int]:
@@ -192,16 +205,27 @@ def llama3_template(tok: Any) -> TurnTemplate:
         extra_stop=() if eos is None else (int(eos),))
 
 
-FAMILIES = {"byte": byte_template, "chatml": chatml_template, "llama3": llama3_template}
+def checkpoint_template(tok: Any) -> TurnTemplate:
+    """The tokenizer's own Jinja chat template, rendered turn by turn (tiderl.envs.chat_templates)."""
+    from tiderl.envs.chat_templates import jinja_template
+
+    return jinja_template(tok)
+
+
+FAMILIES = {"byte": byte_template, "chatml": chatml_template, "llama3": llama3_template,
+            "jinja": checkpoint_template, "checkpoint": checkpoint_template}
 
 
 def template_for(tok: Any, family: str = "auto") -> TurnTemplate:
-    """The template `family` for `tok`; 'auto' picks byte, chatml or llama3 from its specials."""
+    """The template `family` for `tok`. 'auto' prefers the tokenizer's own chat_template (from
+    its checkpoint folder), else picks byte, chatml or llama3 from its special tokens."""
     if family != "auto":
         if family not in FAMILIES:
             raise ValueError(f"unknown template family {family!r}; use auto, "
                              f"{', '.join(FAMILIES)}")
         return FAMILIES[family](tok)
+    if getattr(tok, "chat_template", None):
+        return checkpoint_template(tok)
     lookup = getattr(tok, "token_to_id", lambda _: None)
     if (getattr(tok, "vocab_size", 1 << 30) <= 512 and getattr(tok, "bos_id", None) is not None
             and getattr(tok, "im_start_id", None) is not None and tok.encode("ab") == [97, 98]):

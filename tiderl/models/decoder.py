@@ -1,4 +1,4 @@
-"""The built-in Llama/Qwen2-family decoder as a Flax NNX module.
+"""The built-in Llama/Qwen2/Qwen3-family decoder as a Flax NNX module.
 
 `__call__(tokens, positions, segment_ids, *, cache=None) -> (logits, cache)`:
 - `cache=None` is the training path: packed rows, attention causal within a segment only.
@@ -64,6 +64,9 @@ class Attention(nnx.Module):
             self.bq_hk = _zeros((h, dh), ("heads", "head_dim"), pd)
             self.bk_kh = _zeros((k, dh), ("kv_heads", "head_dim"), pd)
             self.bv_kh = _zeros((k, dh), ("kv_heads", "head_dim"), pd)
+        if cfg.qk_norm:
+            self.q_norm_dh = _ones((dh,), ("head_dim",), pd)
+            self.k_norm_dh = _ones((dh,), ("head_dim",), pd)
 
     def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int):
         cd = x_btd.dtype
@@ -74,8 +77,11 @@ class Attention(nnx.Module):
             q = q + self.bq_hk[...].astype(cd)
             k = k + self.bk_kh[...].astype(cd)
             v = v + self.bv_kh[...].astype(cd)
-        q = rope(q, positions_bt, self.cfg.rope_theta)
-        k = rope(k, positions_bt, self.cfg.rope_theta)
+        if self.cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+            q = rms_norm(q, self.q_norm_dh[...], self.cfg.norm_eps)
+            k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
+        q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
+        k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
         if cache is None:
             out = attend(q, k, v, mask_btt)
         else:
@@ -115,7 +121,8 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """Llama/Qwen2-style decoder: RMSNorm, RoPE, GQA, SwiGLU, optional qkv bias, tied or not."""
+    """Llama/Qwen-style decoder: RMSNorm, RoPE (optionally llama3-scaled), GQA, SwiGLU, optional
+    qkv bias and q/k norm, tied or untied embeddings."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = DTYPES[cfg.param_dtype]
@@ -136,14 +143,45 @@ class Decoder(nnx.Module):
         *,
         cache: AttentionCache | None = None,
     ) -> tuple[Float[Array, "B T V"], AttentionCache | None]:
+        h_btd, cache = self.hidden_states(tokens_bt, positions_bt, segment_ids_bt, cache=cache)
+        return self.logits(h_btd), cache
+
+    def hidden_states(
+        self,
+        tokens_bt: Int[Array, "B T"],
+        positions_bt: Int[Array, "B T"],
+        segment_ids_bt: Int[Array, "B T"],
+        *,
+        cache: AttentionCache | None = None,
+        remat: bool = False,
+    ) -> tuple[Float[Array, "B T D"], AttentionCache | None]:
+        """Final hidden states (after the final norm, compute dtype), without the vocab head.
+
+        The trainer applies the head in chunks (train/head.py) and the engine only at sampled
+        positions, so neither holds a B×T×V array. `remat` (training path only) recomputes each
+        block in the backward: only block inputs are kept between forward and backward.
+        """
         cd = DTYPES[self.cfg.compute_dtype]
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(cd)
         mask_btt = packed_causal_mask(segment_ids_bt) if cache is None else None
-        for i, block in enumerate(self.layers):
-            x_btd, cache = block(x_btd, positions_bt, mask_btt, cache=cache, layer=i)
-        x_btd = rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x_btd, self.embed_vd[...].astype(cd))
+        if remat and cache is None:
+            step = nnx.remat(lambda blk, x, pos, mask: blk(x, pos, mask, cache=None, layer=0)[0])
+            for block in self.layers:
+                x_btd = step(block, x_btd, positions_bt, mask_btt)
         else:
-            logits = x_btd @ self.lm_head_dv[...].astype(cd)
-        return logits, cache
+            for i, block in enumerate(self.layers):
+                x_btd, cache = block(x_btd, positions_bt, mask_btt, cache=cache, layer=i)
+        return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), cache
+
+    def head_vd(self) -> Float[Array, "V D"]:
+        """The vocab head as a V×D matrix in the param dtype (the tied embedding or lm_head^T)."""
+        return self.embed_vd[...] if self.cfg.tie_embeddings else self.lm_head_dv[...].T
+
+    def logits(self, h_btd: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """The head on hidden states; fp32 logits (fp32 accumulation in any compute dtype)."""
+        cd = h_btd.dtype
+        if self.cfg.tie_embeddings:
+            return jnp.einsum("btd,vd->btv", h_btd, self.embed_vd[...].astype(cd),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", h_btd, self.lm_head_dv[...].astype(cd),
+                          preferred_element_type=jnp.float32)

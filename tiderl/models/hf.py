@@ -1,4 +1,5 @@
-"""Hugging Face import/export for the decoder family (Qwen2ForCausalLM, LlamaForCausalLM).
+"""Hugging Face import/export for the decoder family (Qwen2ForCausalLM, Qwen3ForCausalLM,
+LlamaForCausalLM, with Llama 3.1's 'llama3' RoPE scaling).
 
 Reads a local directory (`config.json` + `model.safetensors` or a sharded
 `model.safetensors.index.json`) into our layout, and writes our params back as HF safetensors so
@@ -7,56 +8,100 @@ a trained policy can be served elsewhere. Never downloads anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file as save_numpy
 
+from tiderl.configlib import ConfigError
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES, Decoder
 from tiderl.models.sharding import state_shardings
 
-ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+               "Qwen3ForCausalLM": "qwen3"}
 # Buffers some exporters write that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(ConfigError):
     """The checkpoint's tensors do not match the model; the message lists every problem."""
 
 
-def load_hf_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
-    """Our ModelConfig from an HF `config.json` (errors name unsupported features)."""
+def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig's rope_* fields from an HF config (transformers 4 `rope_theta` +
+    `rope_scaling`, or transformers 5 `rope_parameters`, resolved as transformers does)."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(hf.get(key) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"{where}: per-layer-type {key} are not supported; use a checkpoint "
+                          "with one RoPE for all layers")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{where}: partial_rotary_factor={partial} is not supported (tiderl "
+                          "rotates the whole head); use a checkpoint without it")
+    if rope_type == "default":
+        return {"rope_theta": theta, "rope_scaling": "none"}
+    if rope_type != "llama3":
+        raise ConfigError(f"{where}: rope scaling {key}.rope_type={rope_type!r} is not supported "
+                          "(tiderl implements 'default' and 'llama3'); use a checkpoint without it")
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise ConfigError(f"{where}: {key} of rope_type 'llama3' lacks {', '.join(missing)}; "
+                          "add them to config.json")
+    original = (params.get("original_max_position_embeddings")
+                or hf.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings", 2048))
+    return {"rope_theta": theta, "rope_scaling": "llama3",
+            "rope_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_len": int(original)}
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The raw `config.json` of a local HF directory (FileNotFoundError naming it otherwise)."""
     p = Path(path) / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{str(p)!r} not found; model.checkpoint must be a local HF "
                                 "directory with config.json and *.safetensors")
-    hf = json.loads(p.read_text())
+    return json.loads(p.read_text())
+
+
+def load_hf_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
+    """Our ModelConfig from an HF `config.json` (a ConfigError names any unsupported feature)."""
+    hf = read_hf_config(path)
+    where = f"config key 'model.checkpoint'={str(path)!r}: its config.json"
     arch = (hf.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{str(p)!r}: architecture {arch!r} is not supported; tiderl imports "
-                         f"{', '.join(ARCHITECTURES)}")
-    # transformers 4 writes rope_theta (+ rope_scaling); transformers 5 writes rope_parameters.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"{str(p)!r}: rope scaling {rope} is not supported yet; "
-                         "use a checkpoint without rope scaling")
-    rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        raise ConfigError(f"{where} has architecture {arch!r}, which is not supported; tiderl "
+                          f"imports {', '.join(ARCHITECTURES)}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{where} has hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     if arch == "LlamaForCausalLM" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise ValueError(f"{str(p)!r}: Llama attention_bias/mlp_bias=true is not supported "
-                         "(only q/k/v biases, as in Qwen2)")
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"{str(p)!r}: sliding-window attention is not supported; "
-                         "set use_sliding_window=false")
+        raise ConfigError(f"{where} has attention_bias/mlp_bias=true, which Llama export/import "
+                          "does not support (o_proj and MLP biases); use a bias-free checkpoint")
+    if arch == "Qwen3ForCausalLM" and hf.get("attention_bias"):
+        raise ConfigError(f"{where} has attention_bias=true, which Qwen3 import does not support "
+                          "(o_proj bias); use a bias-free checkpoint")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if hf.get("use_sliding_window") or layer_types != {"full_attention"}:
+        raise ConfigError(f"{where} enables sliding-window attention (use_sliding_window/"
+                          "layer_types), which is not supported; use full attention in all layers")
+    rope = _rope_fields(hf, where)
     d, h = hf["hidden_size"], hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -66,14 +111,15 @@ def load_hf_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
         n_kv_heads=hf.get("num_key_value_heads") or h,
         head_dim=hf.get("head_dim") or d // h,
         mlp_dim=hf["intermediate_size"],
-        rope_theta=rope_theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         param_dtype=dtype,  # type: ignore[arg-type]  # validated by ModelConfig
         compute_dtype=dtype,  # type: ignore[arg-type]
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         checkpoint=str(path),
+        **rope,
     )
 
 
@@ -100,6 +146,9 @@ def _hf_to_ours(cfg: ModelConfig) -> Iterator[tuple[str, tuple[Any, ...], Any, A
             yield (pre + "self_attn.q_proj.bias", (*ours, "attn", "bq_hk"), *bias(h))
             yield (pre + "self_attn.k_proj.bias", (*ours, "attn", "bk_kh"), *bias(k))
             yield (pre + "self_attn.v_proj.bias", (*ours, "attn", "bv_kh"), *bias(k))
+        if cfg.qk_norm:
+            yield (pre + "self_attn.q_norm.weight", (*ours, "attn", "q_norm_dh"), *ident)
+            yield (pre + "self_attn.k_norm.weight", (*ours, "attn", "k_norm_dh"), *ident)
         yield (pre + "self_attn.o_proj.weight", (*ours, "attn", "wo_hkd"), *o_proj)
         yield (pre + "mlp.gate_proj.weight", (*ours, "mlp", "w_gate_df"), *trans)
         yield (pre + "mlp.up_proj.weight", (*ours, "mlp", "w_up_df"), *trans)
@@ -136,11 +185,33 @@ def _get(state: nnx.State, path: tuple[Any, ...]) -> Any:
     return node
 
 
+def _sharding_at(shardings: Any, path: tuple[Any, ...]) -> NamedSharding:
+    """The NamedSharding at `path` of `state_shardings(...)`, whose leaves are Variables holding
+    a NamedSharding (or bare NamedShardings for non-Variable leaves)."""
+    node = _get(shardings, path)
+    return node.get_raw_value() if isinstance(node, nnx.Variable) else node
+
+
+@contextlib.contextmanager
+def _on_host() -> Iterator[None]:
+    """Reads tensors into host memory (the CPU backend) when there is one, so a large tensor is
+    never materialised whole on an accelerator before it is sharded."""
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # jax_platforms excludes cpu: read onto the default device
+        yield
+        return
+    with jax.default_device(cpu):
+        yield
+
+
 def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None,
                     ) -> Decoder:
-    """Loads a local HF Qwen2/Llama directory into a `Decoder` (sharded on `mesh` if given).
+    """Loads a local HF Qwen2/Qwen3/Llama directory into a `Decoder`.
 
-    Missing, unexpected and mis-shaped tensors are collected and reported in one error.
+    With `mesh`, every parameter is placed straight into its NamedSharding from host memory
+    (each device receives only its shard). Missing, unexpected and mis-shaped tensors are
+    collected and reported in one error.
     """
     path = Path(path)
     cfg = load_hf_config(path, dtype=dtype)
@@ -148,11 +219,11 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh) if mesh is not None else None
     where = _open_tensors(path)
-    pd = DTYPES[cfg.param_dtype]
+    pd = np.dtype(DTYPES[cfg.param_dtype])
     missing, misshaped = [], []
     expected = set()
-    handles: dict[Path, Any] = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
         for hf_name, ours, to_ours, _ in _hf_to_ours(cfg):
             expected.add(hf_name)
             if hf_name not in where:
@@ -160,9 +231,10 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
                 continue
             f = where[hf_name]
             if f not in handles:
-                handles[f] = safe_open(str(f), framework="flax").__enter__()
+                handles[f] = stack.enter_context(safe_open(str(f), framework="flax"))
             var = _get(state, ours)
-            raw = handles[f].get_tensor(hf_name)
+            with _on_host():
+                raw = np.asarray(handles[f].get_tensor(hf_name))
             try:
                 value = to_ours(raw)
             except (TypeError, ValueError):
@@ -172,13 +244,9 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
                 misshaped.append(f"{hf_name}: {tuple(raw.shape)} (expected a tensor mapping to "
                                  f"{tuple(var.shape)})")
                 continue
-            value = jnp.asarray(value, dtype=pd)
-            if shardings is not None:
-                value = jax.device_put(value, _get(shardings, ours)[...])
-            var.set_value(value)
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+            value = np.ascontiguousarray(value.astype(pd))
+            sharding = _sharding_at(shardings, ours) if shardings is not None else None
+            var.set_value(jax.device_put(value, sharding))
     unexpected = sorted(
         n for n in where
         if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
@@ -199,26 +267,44 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
     return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: nnx.Module, path: str | Path, *,
-                    architecture: str | None = None) -> Path:
-    """Writes `model` (a built-in Decoder) as an HF directory: config.json + model.safetensors."""
-    cfg: ModelConfig = model.cfg
-    arch = architecture or ("Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM")
+def default_architecture(cfg: ModelConfig) -> str:
+    """The HF architecture a config exports as when none is asked for."""
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+
+
+def hf_config(cfg: ModelConfig, architecture: str | None = None,
+              base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The HF `config.json` of `cfg` as `architecture`, on top of `base` (a source checkpoint's
+    config.json, so that token ids and other keys we do not model are kept).
+
+    Written for both transformers 4 (`rope_theta` + `rope_scaling`, `torch_dtype`) and
+    transformers 5 (`rope_parameters`, `dtype`)."""
+    arch = architecture or default_architecture(cfg)
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} not supported; use one of {ARCHITECTURES}")
-    if arch == "LlamaForCausalLM" and cfg.qkv_bias:
-        raise ValueError("a model with qkv biases exports as Qwen2ForCausalLM, not Llama")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = nnx.state(model, nnx.Param)
-    tensors = {}
-    for hf_name, ours, _, to_hf in _hf_to_ours(cfg):
-        value = np.asarray(jax.device_get(_get(state, ours)[...]))
-        tensors[hf_name] = jnp.asarray(np.ascontiguousarray(to_hf(value)))
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    hf = {
+    if arch == "Qwen2ForCausalLM" and (not cfg.qkv_bias or cfg.qk_norm):
+        raise ValueError("Qwen2ForCausalLM needs model.qkv_bias=true and model.qk_norm=false; "
+                         f"export as {default_architecture(cfg)}")
+    if arch == "LlamaForCausalLM" and (cfg.qkv_bias or cfg.qk_norm):
+        raise ValueError("LlamaForCausalLM has no qkv biases or q/k norm; export as "
+                         f"{default_architecture(cfg)}")
+    if arch == "Qwen3ForCausalLM" and (cfg.qkv_bias or not cfg.qk_norm):
+        raise ValueError("Qwen3ForCausalLM needs model.qk_norm=true and model.qkv_bias=false; "
+                         f"export as {default_architecture(cfg)}")
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor,
+                    low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    hf = dict(base or {})
+    for stale in ("original_max_position_embeddings", "partial_rotary_factor"):
+        hf.pop(stale, None)
+    hf.update({
         "architectures": [arch],
-        "model_type": "qwen2" if arch == "Qwen2ForCausalLM" else "llama",
+        "model_type": MODEL_TYPES[arch],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.mlp_dim,
@@ -227,15 +313,42 @@ def save_pretrained(model: nnx.Module, path: str | Path, *,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope,
+        "rope_scaling": dict(rope) if cfg.rope_scaling != "none" else None,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_seq_len,
         "hidden_act": "silu",
         "torch_dtype": cfg.param_dtype,
-    }
-    if arch == "LlamaForCausalLM":
+        "dtype": cfg.param_dtype,
+    })
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
         hf["attention_bias"] = False
+    if arch == "LlamaForCausalLM":
         hf["mlp_bias"] = False
-    (path / "config.json").write_text(json.dumps(hf, indent=2))
+    if arch != "LlamaForCausalLM":
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+        hf["layer_types"] = ["full_attention"] * cfg.n_layers
+    return hf
+
+
+def save_pretrained(model: nnx.Module, path: str | Path, *, architecture: str | None = None,
+                    base_config: dict[str, Any] | None = None) -> Path:
+    """Writes `model` (a built-in Decoder) as an HF directory: config.json + model.safetensors.
+
+    `architecture` defaults to Qwen3 with q/k norm, Qwen2 with qkv biases, Llama otherwise;
+    `base_config` (a source config.json) supplies the keys we do not model (token ids, ...).
+    Tensors are gathered to host memory one at a time and written in the parameter dtype."""
+    cfg: ModelConfig = model.cfg
+    hf = hf_config(cfg, architecture, base_config)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = nnx.state(model, nnx.Param)
+    tensors = {}
+    for hf_name, ours, _, to_hf in _hf_to_ours(cfg):
+        value = np.asarray(jax.device_get(_get(state, ours)[...]))
+        tensors[hf_name] = np.ascontiguousarray(to_hf(value))
+    save_numpy(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return path

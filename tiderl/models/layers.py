@@ -20,10 +20,32 @@ def rms_norm(x_btd: Float[Array, "B T D"], scale_d: Float[Array, "D"], eps: floa
     return (scale_d.astype(jnp.float32) * x32).astype(x_btd.dtype)
 
 
-def rope(x_bthd: Float[Array, "B T H Dh"], positions_bt: Int[Array, "B T"], theta: float) -> Array:
-    """Rotary embedding, half-split layout (HF `rotate_half`), angles in fp32."""
-    dh = x_bthd.shape[-1]
+def rope_inv_freq(dh: int, theta: float,
+                  llama3: tuple[float, float, float, int] | None = None) -> Array:
+    """RoPE inverse frequencies [Dh/2] in fp32; `llama3` = (factor, low_freq_factor,
+    high_freq_factor, original_max_len) applies Llama 3.1's scaling as transformers'
+    `_compute_llama3_parameters`:
+    wavelengths shorter than original/high are kept, longer than original/low divided by factor,
+    and a linear ramp in original/wavelength blends the two in between."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = llama3
+    wavelen = 2 * jnp.pi / inv_freq
+    low_freq_wavelen, high_freq_wavelen = original / low, original / high
+    scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x_bthd: Float[Array, "B T H Dh"], positions_bt: Int[Array, "B T"], theta: float, *,
+         llama3: tuple[float, float, float, int] | None = None) -> Array:
+    """Rotary embedding, half-split layout (HF `rotate_half`), angles in fp32 (`llama3`: see
+    `rope_inv_freq`)."""
+    dh = x_bthd.shape[-1]
+    inv_freq = rope_inv_freq(dh, theta, llama3)
     ang_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     cos = jnp.cos(ang_btf)[:, :, None, :]
     sin = jnp.sin(ang_btf)[:, :, None, :]

@@ -67,6 +67,12 @@ def build_policy(cfg: ModelConfig, *, seed: int = 0) -> nnx.Module:
     return policy_class(cfg)(cfg, rngs=nnx.Rngs(params=seed))
 
 
+def abstract_policy(cfg: ModelConfig, *, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract params): shapes, dtypes and sharding names, no arrays."""
+    cls = policy_class(cfg)
+    return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(params=seed))))
+
+
 def init_policy(cfg: ModelConfig, *, seed: int = 0,
                 mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) with params created directly in their shardings on `mesh`.
@@ -85,3 +91,94 @@ def init_policy(cfg: ModelConfig, *, seed: int = 0,
         return graphdef, jax.jit(create)()
     shardings = state_shardings(abstract_state, mesh)
     return graphdef, jax.jit(create, out_shardings=shardings)()
+
+
+class _ProbeCache:
+    """Wraps the serving cache to see what a policy hands it: which layers, and k/v shapes."""
+
+    def __init__(self, inner: Any, cfg: ModelConfig):
+        self.inner, self.cfg, self.layers = inner, cfg, []
+
+    def attend(self, layer, q_bthd, k_btkd, v_btkd):
+        want = (self.cfg.n_kv_heads, self.cfg.head_dim)
+        if not isinstance(layer, int) or not 0 <= layer < self.cfg.n_layers:
+            raise _ContractError(f"cache.attend got layer={layer!r}; layers are the ints "
+                                 f"0..{self.cfg.n_layers - 1} (model.n_layers)")
+        for name, x in (("k", k_btkd), ("v", v_btkd)):
+            if tuple(x.shape[2:]) != want or x.shape[:2] != q_bthd.shape[:2]:
+                raise _ContractError(
+                    f"cache.attend(layer={layer}) got {name} of shape {tuple(x.shape)}; it takes "
+                    f"[batch, time, model.n_kv_heads={want[0]}, model.head_dim={want[1]}] "
+                    f"(q is {tuple(q_bthd.shape)})")
+        self.layers.append(layer)
+        out, self.inner = self.inner.attend(layer, q_bthd, k_btkd, v_btkd)
+        return out, self
+
+
+class _ContractError(Exception):
+    pass
+
+
+def check_contract(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig) -> None:
+    """Traces the policy once on each path (shapes only, nothing runs) and raises a
+    `ConfigError` naming `model.policy` when it breaks the contract the trainer and the engine
+    rely on: `(tokens, positions, segment_ids) -> (logits [B, T, vocab], cache)`, and on the
+    serving path every layer hands its k/v (`model.n_kv_heads` heads) to `cache.attend`."""
+    import jax.numpy as jnp
+
+    from tiderl.serving.kv import PagedKV, init_pools
+
+    b, t, v = 2, 8, cfg.vocab_size
+    rule = ("a policy is called as policy(tokens, positions, segment_ids, cache=None) and returns "
+            "(logits [batch, time, model.vocab_size], cache); with a cache it hands each layer's "
+            "q/k/v to cache.attend(layer, q, k, v) and returns the cache attend gave back")
+
+    def fail(path: str, why: Any) -> ConfigError:
+        return ConfigError(f"config key 'model.policy'={cfg.policy!r} does not meet the policy "
+                           f"contract on the {path} path: {why}; {rule}")
+
+    def logits_of(out: Any, path: str) -> Any:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise fail(path, f"it returned {type(out).__name__}, not (logits, cache)")
+        shape = getattr(out[0], "shape", None)
+        if shape is None or tuple(shape) != (b, t, v):
+            raise fail(path, f"logits have shape {shape}, expected {(b, t, v)}")
+        return out
+
+    tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def train(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        return nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens))
+
+    try:
+        logits_of(jax.eval_shape(train, params, tokens), "training")
+    except (ConfigError, _ContractError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: any error is a contract problem
+        raise fail("training", f"{type(e).__name__}: {e}") from e
+
+    pools = jax.eval_shape(lambda: init_pools(
+        n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, num_pages=2,
+        page_size=t, dtype=jnp.float32))
+    probe: list[_ProbeCache] = []
+
+    def serve(params, tokens, pools):
+        cache = _ProbeCache(PagedKV(pools, jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32),
+                                    jnp.full((b,), t, jnp.int32)), cfg)
+        probe.append(cache)
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        out = nnx.merge(graphdef, params)(tokens, positions, jnp.ones_like(tokens), cache=cache)
+        logits_of(out, "serving")
+        return out[0]
+
+    try:
+        jax.eval_shape(serve, params, tokens, pools)
+    except ConfigError:
+        raise
+    except _ContractError as e:
+        raise fail("serving", e) from e
+    except Exception as e:  # noqa: BLE001
+        raise fail("serving", f"{type(e).__name__}: {e}") from e
+    if not probe[0].layers:
+        raise fail("serving", "it never called cache.attend, so the engine cannot keep its KV")

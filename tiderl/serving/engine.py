@@ -70,9 +70,9 @@ from tiderl.serving.config import RolloutConfig
 from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
 from tiderl.serving.pages import (
     EngineCounters,
-    PrefillRequest,
     PageAllocator,
     PoolExhaustedError,
+    PrefillRequest,
     Prefix,
     ResultTokens,
     StaleKVError,
@@ -110,9 +110,17 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         model = nnx.merge(graphdef, params)
         positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1])
         cache = PagedKV(pools, page_table_bp, start_b, n_new_b, impl=impl, interpret=interpret)
-        logits_btv, cache = model(tokens_bt, positions_bt, jnp.ones_like(tokens_bt), cache=cache)
         last_b = jnp.maximum(n_new_b - 1, 0)
-        logits_bv = jnp.take_along_axis(logits_btv, last_b[:, None, None], axis=1)[:, 0]
+        if hasattr(model, "hidden_states") and hasattr(model, "logits"):
+            # The head only where a token is sampled: B×V logits, never B×T×V.
+            h_btd, cache = model.hidden_states(tokens_bt, positions_bt, jnp.ones_like(tokens_bt),
+                                               cache=cache)
+            h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
+            logits_bv = model.logits(h_b1d)[:, 0]
+        else:  # a custom policy: full logits, then the sampled position's
+            logits_btv, cache = model(tokens_bt, positions_bt, jnp.ones_like(tokens_bt),
+                                      cache=cache)
+            logits_bv = jnp.take_along_axis(logits_btv, last_b[:, None, None], axis=1)[:, 0]
         logits_bv = logits_bv.astype(jnp.float32)
         # The sampled token's position is the one after the last token fed.
         keys_b = token_keys(run_key, task_ids_b, start_b + n_new_b)

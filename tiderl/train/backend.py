@@ -148,7 +148,7 @@ class TrainerBackend:
         self.mode: Literal["decoupled", "colocated"] = (
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
-               self.ref_mesh)
+               self.ref_mesh, self.cfg.head_chunk, self.cfg.remat)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
@@ -158,7 +158,8 @@ class TrainerBackend:
             ref_sh = state_shardings(self._abstract, self.ref_mesh)
             return (tx, sh, ref_sh, make_kernels(
                 self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
-                ref_param_shardings=ref_sh))
+                ref_param_shardings=ref_sh, head_chunk=self.cfg.head_chunk,
+                remat=self.cfg.remat))
 
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
 
@@ -215,8 +216,7 @@ class TrainerBackend:
         self._ensure("actor")
         if ref_logprobs.sharding != self.sh.tokens:
             ref_logprobs = jax.device_put(ref_logprobs, self.sh.tokens)
-        if self._grads is None:
-            self._grads = self.k.zeros_like_grads(self.state["params"])
+        # The first micro-batch's gradient becomes the sum (None: no zero-filled copy).
         self._grads, metrics = self.k.backward(vjp, outs, ref_logprobs, batch,
                                                jnp.int32(self.version), self._grads)
         self._metrics.append(metrics)

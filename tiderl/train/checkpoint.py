@@ -14,6 +14,7 @@ is a checkpoint orbax cannot read (corrupt or missing files): the message names 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from tiderl.configlib import ConfigError, to_dict
+from tiderl.configlib import ConfigError, from_dict, to_dict
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
             raise _unreadable(where, e, fix) from e
         want = to_dict(backend.model_cfg)
+        with contextlib.suppress(ConfigError, TypeError):
+            # Keys added to ModelConfig since the save read as their defaults.
+            meta["model"] = to_dict(from_dict(type(backend.model_cfg), meta["model"]))
         if meta["model"] != want:
             diff = sorted(k for k in set(want) | set(meta["model"])
                           if want.get(k) != meta["model"].get(k))

@@ -61,8 +61,18 @@ class TrainerConfig:
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
     token mean, averaged over the step's sequences."""
 
+    # --- memory (train/head.py, models/decoder.py) ---
+    head_chunk: int = 0
+    """Tokens per chunk of the vocab head in training (logprobs/entropies from hidden states,
+    logits recomputed per chunk in the backward): no B×T×V fp32 array is kept. 0 applies the
+    head to the whole micro-batch at once. E.g. 512–2048 for a 150k vocabulary. Policies
+    without `hidden_states`/`head_vd` (custom ones) always take the whole-batch path."""
+    remat: bool = False
+    """Recompute each decoder block in the backward (`nnx.remat`): only block inputs are kept
+    between the Actor forward and backward. Needs a policy with `hidden_states` (built-in)."""
+
     # --- micro-batches (train/dispatch.py) ---
-    row_len: int = 256
+    row_len: int = 1024
     """Tokens per packed row; a trajectory longer than this cannot be trained."""
     rows_per_rank: int = 4
     """Rows each data-parallel rank takes per micro-batch (the per-rank token budget is
@@ -106,6 +116,9 @@ class TrainerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "
                                   f"{getattr(self, name)}")
+        if self.head_chunk < 0:
+            raise ConfigError(f"config key 'trainer.head_chunk' must be >= 0 (0: unchunked), "
+                              f"got {self.head_chunk}")
         for name in ("decay_steps", "row_len", "rows_per_rank", "max_aggregate"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be positive, got "

@@ -7,8 +7,10 @@ optimizer, shardings) and returning module-level-style jitted pure functions of 
 - `actor_forward(params, batch) -> ((logprobs_bt, entropy_bt), vjp)`: the `jax.vjp` object is
   a pytree (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
   Its cotangent is a (logprobs, entropies) pair too (see grpo.py: the exact entropy bonus).
+  The vjp (a `DeferredVjp`) refers to the params it was taken at instead of holding a copy.
 - `backward(vjp, outs, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
-  cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum.
+  cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum (None for
+  the step's first micro-batch: no zero-filled sum).
   `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
 - `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
   clips by global norm, AdamW with a schedule; the train state is donated.
@@ -31,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tiderl.models.sharding import optimizer_shardings, state_shardings
 from tiderl.train.config import TrainerConfig
 from tiderl.train.grpo import LossSpec, cotangent, loss_sum, token_logprobs, token_outputs
+from tiderl.train.head import chunked_token_outputs
 
 BATCH_KEYS = ("tokens_bt", "positions_bt", "segment_ids_bt", "loss_mask_bt",
               "behaviour_logprobs_bt", "advantages_bt", "versions_bt")
@@ -69,29 +72,60 @@ def _check_temperature(temperature: float) -> None:
                          "rollouts (rollout.temperature=0) cannot be trained with GRPO")
 
 
-def make_logprobs(graphdef: nnx.GraphDef, temperature: float):
-    """params, batch -> per-token logprobs at the engine's temperature (fp32)."""
-    _check_temperature(temperature)
+def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool):
+    """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
+    head when `head_chunk` > 0 or `remat` asks for it and the policy has them (the built-in
+    Decoder), else through its logits (custom policies)."""
 
-    def logprobs(params: nnx.State, batch: dict) -> jax.Array:
+    def forward(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
-        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
-        return token_logprobs(logits, batch["tokens_bt"], temperature)
+        tokens = batch["tokens_bt"]
+        has_hidden = hasattr(model, "hidden_states") and hasattr(model, "head_vd")
+        if remat and not has_hidden:
+            raise ValueError(f"trainer.remat=true but policy {type(model).__name__} has no "
+                             "hidden_states(..., remat=) method; set trainer.remat=false")
+        if has_hidden and (head_chunk > 0 or remat):
+            h_btd, _ = model.hidden_states(tokens, batch["positions_bt"],
+                                           batch["segment_ids_bt"], remat=remat)
+            if head_chunk > 0:
+                return chunked_token_outputs(h_btd, model.head_vd(), tokens, temperature,
+                                             head_chunk)
+            return token_outputs(model.logits(h_btd), tokens, temperature)
+        logits, _ = model(tokens, batch["positions_bt"], batch["segment_ids_bt"])
+        return token_outputs(logits, tokens, temperature)
 
-    return logprobs
+    return forward
 
 
-def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True):
+def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int = 0):
+    """params, batch -> per-token logprobs at the engine's temperature (fp32).
+
+    `head_chunk` > 0 applies the vocab head that many tokens at a time (train/head.py)."""
+    _check_temperature(temperature)
+    if head_chunk <= 0:
+        def logprobs(params: nnx.State, batch: dict) -> jax.Array:
+            model = nnx.merge(graphdef, params)
+            logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+            return token_logprobs(logits, batch["tokens_bt"], temperature)
+
+        return logprobs
+    forward = _forward(graphdef, temperature, head_chunk, False)
+    return lambda params, batch: forward(params, batch)[0]
+
+
+def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True, *,
+                 head_chunk: int = 0, remat: bool = False):
     """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates.
 
     Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
-    `stop_gradient` they add no B×T×V residual to the saved vjp."""
+    `stop_gradient` they add no B×T×V residual to the saved vjp. `head_chunk` > 0 applies the
+    head in token chunks with a recomputing backward (no B×T×V residual at all); `remat`
+    recomputes each decoder block in the backward (policies with `hidden_states` only)."""
     _check_temperature(temperature)
+    forward = _forward(graphdef, temperature, head_chunk, remat)
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, params)
-        logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
-        logp, ent = token_outputs(logits, batch["tokens_bt"], temperature)
+        logp, ent = forward(params, batch)
         return logp, ent if entropy_grad else jax.lax.stop_gradient(ent)
 
     return outputs
@@ -124,6 +158,54 @@ def init_train_state(params: nnx.State, tx: optax.GradientTransformation,
     return make(params)
 
 
+@jax.tree_util.register_pytree_node_class
+class DeferredVjp:
+    """`jax.vjp` of params → outputs, without its residuals that *are* the params.
+
+    A `jax.vjp` object returned from a jit holds every residual as a fresh output buffer, the
+    parameters included (they are residuals of every matmul): one more copy of the weights
+    would live from each Actor forward to its backward. Here those slots are left empty inside
+    the jit and filled, outside it, with the caller's own param arrays (no copy); the params
+    must not change before the backward (the backend applies updates only after every
+    micro-batch's backward). Calling it is calling the vjp.
+    """
+
+    def __init__(self, treedef: Any, slots: tuple[int, ...], residuals: tuple,
+                 params: tuple = ()):
+        self.treedef, self.slots = treedef, slots
+        self.residuals, self.params = residuals, params
+
+    @classmethod
+    def strip(cls, vjp: Any, params: Any) -> DeferredVjp:
+        """Inside the trace: residual leaves identical to a param leaf become slot indices."""
+        leaves, treedef = jax.tree.flatten(vjp)
+        index = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+        slots, residuals = [], []
+        for leaf in leaves:
+            if id(leaf) in index:
+                slots.append(index[id(leaf)])
+            else:
+                slots.append(-1)
+                residuals.append(leaf)
+        return cls(treedef, tuple(slots), tuple(residuals))
+
+    def with_params(self, params: Any) -> DeferredVjp:
+        return DeferredVjp(self.treedef, self.slots, self.residuals,
+                           tuple(jax.tree.leaves(params)))
+
+    def __call__(self, cot: Any) -> Any:
+        res = iter(self.residuals)
+        leaves = [next(res) if i < 0 else self.params[i] for i in self.slots]
+        return jax.tree.unflatten(self.treedef, leaves)(cot)
+
+    def tree_flatten(self):
+        return (self.residuals, self.params), (self.treedef, self.slots)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(aux[0], aux[1], *children)
+
+
 @dataclasses.dataclass
 class Kernels:
     """The jitted functions of one (graphdef, mesh) pair; `traces` counts retraces per name."""
@@ -142,10 +224,14 @@ class Kernels:
 
 def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
                  temperature: float, sh: TrainShardings,
-                 ref_mesh: Mesh | None = None, ref_param_shardings: Any = None) -> Kernels:
-    """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate)."""
-    logprobs = make_logprobs(graphdef, temperature)
-    outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef))
+                 ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
+                 head_chunk: int = 0, remat: bool = False) -> Kernels:
+    """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate).
+
+    `head_chunk`/`remat`: trainer.head_chunk / trainer.remat (see `make_outputs`)."""
+    logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk)
+    outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
+                           head_chunk=head_chunk, remat=remat)
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
@@ -170,15 +256,21 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
 
     def actor_fwd(params, batch):
         count("actor_forward")
-        return jax.vjp(lambda p: outputs(p, batch), params)
+        outs, vjp = jax.vjp(lambda p: outputs(p, batch), params)
+        return outs, DeferredVjp.strip(vjp, params)
 
-    actor_forward = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+
+    def actor_forward(params, batch):
+        outs, vjp = actor_forward_jit(params, batch)
+        return outs, vjp.with_params(params)
 
     def bwd(vjp, outs, ref_logp, batch, version, acc):
         count("backward")
         cot, metrics = cotangent(outs, ref_logp, batch, version, spec)
         (g,) = vjp(cot)
-        return jax.tree.map(jnp.add, acc, g), metrics
+        # acc None: the step's first micro-batch, no zero-filled sum to add to.
+        return (g if acc is None else jax.tree.map(jnp.add, acc, g)), metrics
 
     # Only the gradient sum is donated: the vjp residuals have no output of their shape to alias.
     backward = jax.jit(bwd, donate_argnums=(5,), out_shardings=(sh.params, None))
@@ -193,14 +285,19 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         count("apply")
         grads = jax.tree.map(lambda g: g / denom, grads_sum)
         gnorm = optax.tree.norm(grads)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+
+        def update(s):
+            updates, opt = tx.update(grads, s["opt"], s["params"])
+            return {"params": optax.apply_updates(s["params"], updates), "opt": opt}
+
         # A non-finite gradient skips the update (params and moments unchanged); the step still
-        # counts, so checkpoint numbering follows the controller's steps.
+        # counts, so checkpoint numbering follows the controller's steps. A cond, not a
+        # where(ok, new, old): that kept old and new moments alive together (one more copy of
+        # the largest parameter in the compiled update's temporaries).
+        kept = {"params": state["params"], "opt": state["opt"]}
         ok = jnp.isfinite(gnorm)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        return ({"params": keep(params, state["params"]), "opt": keep(opt, state["opt"]),
-                 "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok})
+        new = jax.lax.cond(ok, update, lambda s: s, kept)
+        return {**new, "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok}
 
     apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
                     out_shardings=(sh.state, None), donate_argnums=(0,))

@@ -1,0 +1,283 @@
+"""Peak host memory of a Qwen2.5-0.5B-shaped policy on CPU: one rollout turn and one train step.
+
+A random-initialised `Decoder` with Qwen2.5-0.5B's shape (vocab 151,936, d_model 896, 24 layers,
+14/2 heads, head_dim 64, mlp 4,864, qkv bias, tied embeddings: 494M parameters) on one CPU
+device. Each variant runs in a fresh subprocess (ru_maxrss never decreases), one at a time:
+
+1. init: params (jitted init) and the AdamW state (`tx.init`), the train state the step donates;
+2. rollout: an `Engine` on those weights with a small KV pool; prefill of a 48-token prompt and
+   8 decode steps; the engine is then dropped (its weights are the trainer's, no copy);
+3. train: one GRPO step of 4 × 1,024 tokens through the trainer's jitted kernels
+   (`ref_actor.make_kernels`): the Actor forward returning its vjp, the deferred backward into a
+   gradient sum, AdamW apply (state donated). kl_coef = 0 as in the embedded default, so no Ref
+   forward and no Ref params (`TrainerBackend` would also hold a Ref copy of the params, +1×
+   params; it is not used here so that the figure is the step's own).
+
+Reported per variant: bytes of params + optimizer state, ru_maxrss after each phase, and
+peak / (params + optimizer). A watchdog ends a child whose RSS passes --rss-limit-gb (the box is
+shared) and the variant is reported as over the limit.
+
+    python benchmarks/memory.py                       # the default variant set
+    python benchmarks/memory.py --variants chunked-remat-fp32,unchunked-remat-fp32
+    python benchmarks/memory.py --layers 2 --tokens 256   # a quick smoke run
+    python benchmarks/memory.py --analyze --variants chunked-remat-fp32   # compile-only sizes
+
+The last line is one JSON object with `peak_over_state` (the first variant's) and
+`chunked_over_unchunked_peak` (first chunked vs first unchunked variant, when both ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+VARIANTS = {
+    # name: (head_chunk, remat, param_dtype, compute_dtype)
+    "chunked-remat-fp32": (256, True, "float32", "float32"),
+    "unchunked-remat-fp32": (0, True, "float32", "float32"),
+    "chunked-remat-bf16c": (256, True, "float32", "bfloat16"),
+    "chunked-noremat-fp32": (256, False, "float32", "float32"),
+}
+DEFAULT = "chunked-remat-fp32,unchunked-remat-fp32,chunked-remat-bf16c"
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _watchdog(limit: int) -> None:
+    def run():
+        while True:
+            if _rss_now() > limit:
+                print(json.dumps({"over_limit": True, "rss": _rss_now()}), flush=True)
+                os._exit(3)
+            time.sleep(0.05)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def child(args: argparse.Namespace) -> None:
+    _watchdog(int(args.rss_limit_gb * 2**30))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tiderl.models.config import ModelConfig
+    from tiderl.models.policy import init_policy
+    from tiderl.models.sharding import make_mesh
+    from tiderl.serving.config import RolloutConfig
+    from tiderl.serving.engine import Engine
+    from tiderl.train.config import TrainerConfig
+    from tiderl.train.grpo import LossSpec
+    from tiderl.train.ref_actor import make_kernels, make_optimizer, train_shardings
+
+    chunk, remat, pd, cd = VARIANTS[args.child]
+    mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=args.layers, n_heads=14,
+                       n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
+                       tie_embeddings=True, rope_theta=1e6, max_seq_len=32768,
+                       param_dtype=pd, compute_dtype=cd)
+    tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, entropy_max=2.3, head_chunk=chunk,
+                         remat=remat, lr=1e-6)
+    out: dict = {"variant": args.child, "head_chunk": chunk, "remat": remat,
+                 "param_dtype": pd, "compute_dtype": cd, "layers": args.layers,
+                 "rss_start": _maxrss()}
+    t0 = time.perf_counter()
+    mesh = make_mesh(jax.devices()[:1], data=1)
+    graphdef, params = init_policy(mcfg, seed=0, mesh=mesh)
+    tx = make_optimizer(tcfg)
+    sh = train_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
+                        tx, mesh)
+    opt = jax.jit(tx.init, out_shardings=sh.state["opt"])(params)
+    state = {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
+    del params, opt
+    jax.block_until_ready(state)
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    out["n_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    out["state_bytes"] = nbytes(state["params"]) + nbytes(state["opt"])
+    out["rss_init"] = _maxrss()
+
+    # --- rollout turn ---------------------------------------------------------------------
+    rcfg = RolloutConfig(page_size=16, num_pages=32, max_slots=2, max_context=256,
+                         max_action_tokens=8, decode_buckets=(1, 2), prefill_buckets=(64,))
+    eng = Engine(graphdef, state["params"], mcfg, rcfg, seed=0)
+    dstate = eng.init_decode_state()
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, mcfg.vocab_size, 48)]
+    p = eng.prefill(state["params"], None, prompt, len(prompt), task_id=1)
+    dstate = eng.insert(p, dstate)
+    while p.decoding:
+        dstate, _ = eng.generate(None, dstate)
+    out["action_tokens"] = len(p.action_tokens)
+    del eng, dstate, p
+    out["rss_rollout"] = _maxrss()
+    out["t_rollout"] = time.perf_counter() - t0
+
+    # --- one train step: 4 rows × `tokens` ---------------------------------------------------
+    rows, t = 4, args.tokens
+    rng = np.random.default_rng(1)
+    seg = np.ones((rows, t), np.int32)
+    seg[:, t // 2:] = 2  # two packed sequences per row
+    pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(rows, 0)
+    mask = np.zeros((rows, t), np.float32)
+    mask[:, t // 4: t // 2] = mask[:, 3 * t // 4:] = 1.0
+    batch = {
+        "tokens_bt": rng.integers(0, mcfg.vocab_size, (rows, t)).astype(np.int32),
+        "positions_bt": pos.astype(np.int32), "segment_ids_bt": seg,
+        "loss_mask_bt": mask,
+        "behaviour_logprobs_bt": np.full((rows, t), -11.9, np.float32) * mask,
+        "advantages_bt": rng.standard_normal((rows, t)).astype(np.float32) * mask,
+        "versions_bt": np.zeros((rows, t), np.int32),
+    }
+    batch = jax.device_put(batch, sh.batch)
+    k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh, head_chunk=chunk,
+                     remat=remat)
+    t1 = time.perf_counter()
+    outs, vjp = jax.block_until_ready(k.actor_forward(state["params"], batch))
+    out["rss_actor_fwd"] = _maxrss()
+    grads, metrics = jax.block_until_ready(k.backward(  # None: the step's first micro-batch
+        vjp, outs, jnp.zeros_like(batch["loss_mask_bt"]), batch, jnp.int32(0), None))
+    del vjp
+    out["rss_backward"] = _maxrss()
+    state, m = k.apply(state, grads, jnp.float32(max(float(mask.sum()), 1.0)))
+    del grads
+    jax.block_until_ready(state)
+    out["t_train"] = time.perf_counter() - t1
+    out["grad_norm"] = float(m["grad_norm"])
+    out["loss_sum"] = float(metrics["loss_sum"])
+    out["rss_train"] = out["rss_apply"] = _maxrss()
+    out["peak"] = out["rss_train"]
+    out["peak_over_state"] = out["peak"] / out["state_bytes"]
+    print(json.dumps(out), flush=True)
+
+
+def analyze(args: argparse.Namespace) -> None:
+    """Compile-only: XLA's own sizes (arguments, outputs, temporaries) of each train kernel at
+    the real shape, per variant, without running anything (no memory needed for the data)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tiderl.models.config import ModelConfig
+    from tiderl.models.policy import policy_class
+    from tiderl.models.sharding import make_mesh
+    from tiderl.train.config import TrainerConfig
+    from tiderl.train.grpo import LossSpec
+    from tiderl.train.ref_actor import make_kernels, make_optimizer, train_shardings
+
+    gib, sds = 2**30, jax.ShapeDtypeStruct
+    for name in args.variants.split(","):
+        chunk, remat, pd, cd = VARIANTS[name]
+        mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=args.layers, n_heads=14,
+                           n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
+                           param_dtype=pd, compute_dtype=cd)
+        graphdef, ap = nnx.split(nnx.eval_shape(
+            lambda mcfg=mcfg: policy_class(mcfg)(mcfg, rngs=nnx.Rngs(0))))
+        ap = jax.tree.map(lambda x: sds(x.shape, x.dtype), ap)
+        mesh = make_mesh(jax.devices()[:1], data=1)
+        tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, head_chunk=chunk, remat=remat)
+        tx = make_optimizer(tcfg)
+        sh = train_shardings(ap, tx, mesh)
+        k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh, head_chunk=chunk,
+                         remat=remat)
+        rows, t = 4, args.tokens
+        ints = {"tokens_bt", "positions_bt", "segment_ids_bt", "versions_bt"}
+        batch = {key: sds((rows, t), jnp.int32 if key in ints else jnp.float32)
+                 for key in ("tokens_bt", "positions_bt", "segment_ids_bt", "loss_mask_bt",
+                             "behaviour_logprobs_bt", "advantages_bt", "versions_bt")}
+        outs, vjp = jax.eval_shape(k.actor_forward, ap, batch)
+        state = jax.eval_shape(lambda p: {"params": p, "opt": tx.init(p),  # noqa: B023
+                                          "step": jnp.zeros((), jnp.int32)}, ap)
+        lowered = {
+            "backward": k.backward.lower(vjp, outs, sds((rows, t), jnp.float32), batch,
+                                         sds((), jnp.int32), None),
+            "apply": k.apply.lower(state, ap, sds((), jnp.float32)),
+        }
+        res = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp.residuals)) / gib
+        print(f"{name}: vjp residuals (params excluded) {res:.2f} GiB", flush=True)
+        for kname, low in lowered.items():
+            m = low.compile().memory_analysis()
+            print(f"  {kname:9} args {m.argument_size_in_bytes / gib:6.2f}  out "
+                  f"{m.output_size_in_bytes / gib:6.2f}  aliased {m.alias_size_in_bytes / gib:6.2f}"
+                  f"  temp {m.temp_size_in_bytes / gib:6.2f} GiB", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=DEFAULT,
+                    help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per row (4 rows)")
+    ap.add_argument("--rss-limit-gb", type=float, default=18.0)
+    ap.add_argument("--analyze", action="store_true",
+                    help="compile only: XLA's temp/argument sizes of the train kernels")
+    ap.add_argument("--concurrent-scheduler", action="store_true",
+                    help="keep XLA:CPU's default concurrency-ordered scheduler (launch turns it "
+                         "off with trainer.remat; --analyze follows XLA_FLAGS as set)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.analyze:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tiderl
+        analyze(args)
+        return
+    if args.child:
+        child(args)
+        return
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from tiderl.cluster import CPU_LOW_MEMORY_FLAG
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)  # one real CPU device, no fake devices
+    if not args.concurrent_scheduler:  # as launch does with trainer.remat (tiderl.cluster)
+        env["XLA_FLAGS"] = CPU_LOW_MEMORY_FLAG
+    results = []
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            sys.exit(f"--variants: unknown {name!r}; pick from {', '.join(VARIANTS)}")
+        cmd = [sys.executable, __file__, "--child", name, "--layers", str(args.layers),
+               "--tokens", str(args.tokens), "--rss-limit-gb", str(args.rss_limit_gb)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        res = json.loads(lines[-1]) if lines else {}
+        if proc.returncode or "peak" not in res:
+            res = {"variant": name, "failed": proc.returncode, **res,
+                   "stderr": proc.stderr.strip().splitlines()[-3:]}
+        results.append(res)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+    gib = 2**30
+    print(f"{'variant':24} {'chunk':>5} {'remat':>5} {'dtype p/c':>17} {'state GiB':>9} "
+          f"{'init':>6} {'rollout':>7} {'train':>6} {'peak/state':>10} {'t_train s':>9}")
+    for r in results:
+        if "peak" not in r:
+            print(f"{r['variant']:24} failed: {'over --rss-limit-gb' if r.get('over_limit') else r}")
+            continue
+        print(f"{r['variant']:24} {r['head_chunk']:>5} {r['remat']!s:>5} "
+              f"{r['param_dtype'] + '/' + r['compute_dtype']:>17} {r['state_bytes'] / gib:9.2f} "
+              f"{r['rss_init'] / gib:6.2f} {r['rss_rollout'] / gib:7.2f} "
+              f"{r['rss_train'] / gib:6.2f} {r['peak_over_state']:10.3f} {r['t_train']:9.1f}")
+    ok = [r for r in results if "peak" in r]
+    chunked = next((r for r in ok if r["head_chunk"]), None)
+    unchunked = next((r for r in ok if not r["head_chunk"]), None)
+    summary = {
+        "peak_over_state": ok[0]["peak_over_state"] if ok and ok[0] is results[0] else None,
+        "chunked_over_unchunked_peak": (chunked["peak"] / unchunked["peak"]
+                                        if chunked and unchunked else None),
+        "variants": {r["variant"]: round(r["peak_over_state"], 3) if "peak" in r else None
+                     for r in results},
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
