@@ -164,37 +164,31 @@ def resolve_model(model: dict[str, Any], explicit: dict[str, Any]) -> dict[str, 
     """The `model` section with its shape taken from the checkpoint it names, if any.
 
     `explicit` holds the keys a preset or override set: those must agree with the checkpoint.
-    `model.tokenizer`, when not set, becomes the checkpoint folder if it holds a tokenizer."""
-    source, shape = checkpoint_shape(model)
+    `model.tokenizer`, when not set, becomes the checkpoint folder if it holds a tokenizer.json
+    (or, for `model.init_from`, the source run's tokenizer), else the byte tokenizer."""
+    source, theirs = source_model(model)
     if source is None:
         return model
-    out = dict(model)
+    shape = {k: v for k, v in theirs.items() if k not in MODEL_RUN_KEYS}
     wrong = [f"model.{k}={explicit[k]!r} (the checkpoint has {v!r})"
              for k, v in shape.items() if k in explicit and explicit[k] != v]
     if wrong:
         raise ConfigError(
             f"config key {wrong[0].split('=')[0]!r} disagrees with {source}: {'; '.join(wrong)}; "
             "the checkpoint defines the model's shape: drop these keys")
-    out.update(shape)
+    out = {**model, **shape}
     if "tokenizer" not in explicit:
-        out["tokenizer"] = default_tokenizer(model)
+        if ckpt := model.get("checkpoint"):
+            out["tokenizer"] = ckpt if (Path(ckpt) / "tokenizer.json").is_file() else "byte"
+        else:
+            out["tokenizer"] = str(theirs.get("tokenizer", "byte"))
     return out
 
 
-def default_tokenizer(model: dict[str, Any]) -> str:
-    """`model.tokenizer` when not set: the checkpoint folder if it holds a tokenizer.json, the
-    source run's tokenizer for `model.init_from`, else the built-in byte tokenizer."""
-    if ckpt := model.get("checkpoint"):
-        return ckpt if (Path(ckpt) / "tokenizer.json").is_file() else "byte"
-    if spec := model.get("init_from"):
-        src = Path(split_init_from(spec)[0]) / "config.yaml"
-        return str((load_yaml(str(src)).get("model") or {}).get("tokenizer", "byte"))
-    return model.get("tokenizer", "byte")
-
-
-def checkpoint_shape(model: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    """(where the shape came from, the shape keys) for `model.checkpoint` or
-    `model.init_from`; (None, {}) when the model is initialised from its own keys."""
+def source_model(model: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(where it came from, its `model` keys) for `model.checkpoint` (read from config.json) or
+    `model.init_from` (the source run's resolved config.yaml, whatever that run started from);
+    (None, {}) when the model is initialised from its own keys."""
     if model.get("checkpoint") and model.get("init_from"):
         raise ConfigError("config keys 'model.checkpoint' and 'model.init_from' are both set; "
                           "start from one: an HF folder or a tiderl run")
@@ -205,18 +199,15 @@ def checkpoint_shape(model: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
             hf = to_dict(load_hf_config(model["checkpoint"]))
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"config key 'model.checkpoint'={model['checkpoint']!r}: {e}") from e
-        return (f"model.checkpoint={model['checkpoint']!r}",
-                {k: v for k, v in hf.items() if k not in MODEL_RUN_KEYS})
+        return f"model.checkpoint={model['checkpoint']!r}", hf
     if model.get("init_from"):
         run_dir, _ = split_init_from(model["init_from"])
         src = Path(run_dir) / "config.yaml"
         if not src.is_file():
             raise ConfigError(f"config key 'model.init_from'={model['init_from']!r}: no "
                               f"config.yaml in {run_dir!r}; name a folder a tiderl run wrote")
-        # A run's config.yaml holds its resolved shape, whatever that run started from.
-        theirs = dict(load_yaml(str(src)).get("model") or {})
         return (f"model.init_from={model['init_from']!r}",
-                {k: v for k, v in theirs.items() if k not in MODEL_RUN_KEYS})
+                dict(load_yaml(str(src)).get("model") or {}))
     return None, {}
 
 

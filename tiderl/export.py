@@ -78,7 +78,7 @@ def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, 
         try:
             yield from_dict(ModelConfig, meta["model"], prefix="model")
         except (ConfigError, KeyError, TypeError):
-            pass
+            pass  # metadata from before the model config was recorded: try the next source
         m = run.model
         if m.checkpoint and (Path(m.checkpoint) / "config.json").is_file():
             hf = load_hf_config(m.checkpoint, dtype=m.param_dtype)

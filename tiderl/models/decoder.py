@@ -179,9 +179,5 @@ class Decoder(nnx.Module):
 
     def logits(self, h_btd: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """The head on hidden states; fp32 logits (fp32 accumulation in any compute dtype)."""
-        cd = h_btd.dtype
-        if self.cfg.tie_embeddings:
-            return jnp.einsum("btd,vd->btv", h_btd, self.embed_vd[...].astype(cd),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", h_btd, self.lm_head_dv[...].astype(cd),
+        return jnp.einsum("btd,vd->btv", h_btd, self.head_vd().astype(h_btd.dtype),
                           preferred_element_type=jnp.float32)

@@ -116,7 +116,7 @@ class _ProbeCache:
 
 
 class _ContractError(Exception):
-    pass
+    """A contract check inside the traced call; `check_contract` reports it as a ConfigError."""
 
 
 def check_contract(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig) -> None:
