@@ -132,3 +132,59 @@ def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,
     ref = make_mesh(pick(plan.ref), data=len(plan.ref)) if plan.ref else actor
     rollout = [make_mesh(pick(r), model=len(r)) for r in plan.rollout]
     return {"rollout": rollout, "actor": actor, "ref": ref}
+
+
+# -- cells (ERS): pure data, validated before JAX starts --------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CellLayout:
+    """Devices grouped into cells of `cell_size` (device indices, in device order) and each
+    cell's role at start. A cell is the unit both roles use: one fsdp × model group of the
+    trainer, or `cell_size` one-device rollout ranks; ERS moves cells, never devices."""
+
+    cell_size: int
+    cells: tuple[tuple[int, ...], ...]
+    roles: tuple[str, ...]
+
+    @property
+    def ranks_per_cell(self) -> int:
+        return self.cell_size  # rollout ranks are one device each
+
+    def devices(self, cells: tuple[int, ...] | list[int]) -> list[int]:
+        return [d for c in sorted(cells) for d in self.cells[c]]
+
+
+def cell_size_for(*, ranks: int, devices_per_rank: int, actor_devices: int, ref_devices: int,
+                  fsdp: int, model_parallel: int) -> int:
+    """The cell size the roles share (trainer.fsdp × trainer.model_parallel); ConfigError
+    naming the key when a role's devices are not whole cells."""
+    size = fsdp * model_parallel
+    checks = (("rollout.ranks × rollout.devices_per_rank", ranks * devices_per_rank),
+              ("trainer.actor_devices", actor_devices), ("trainer.ref_devices", ref_devices))
+    for key, n in checks:
+        if n % size:
+            raise ConfigError(
+                f"config key '{key.split(' ')[0]}': {key} is {n} devices, not a whole number "
+                f"of cells of {size} devices (trainer.fsdp × trainer.model_parallel), which "
+                f"elastic scaling moves between roles; make it a multiple of {size} or set "
+                "controller.ers=off")
+    if size % devices_per_rank:
+        raise ConfigError(f"config key 'rollout.devices_per_rank'={devices_per_rank} must divide "
+                          f"the cell size {size} (trainer.fsdp × trainer.model_parallel)")
+    return size
+
+
+def cell_layout(plan: DevicePlan, cell_size: int) -> CellLayout:
+    """The cells of a (not colocated) device plan: rollout cells first, then the Actor's, then
+    the Ref's, as `plan_devices` lays the roles out."""
+    groups = (("rollout", [d for r in plan.rollout for d in r]), ("trainer", list(plan.actor)),
+              ("ref", list(plan.ref)))
+    cells: list[tuple[int, ...]] = []
+    roles: list[str] = []
+    for role, devs in groups:
+        if len(devs) % cell_size:
+            raise ConfigError(f"the {role} role holds {len(devs)} devices, not whole cells of "
+                              f"{cell_size}; set controller.ers=off or resize the role")
+        for k in range(0, len(devs), cell_size):
+            cells.append(tuple(devs[k:k + cell_size]))
+            roles.append(role)
+    return CellLayout(cell_size, tuple(cells), tuple(roles))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.cluster import ClusterConfig, DevicePlan, plan_devices
+from tiderl.cluster import ClusterConfig, DevicePlan, cell_size_for, plan_devices
 from tiderl.configlib import (
     ConfigError,
     apply_overrides,
@@ -103,11 +103,40 @@ class RunConfig:
                 f"config key 'rollout.{key}'={value}: truncated sampling in a training run biases "
                 "the GRPO importance ratios (behaviour logprobs are full-vocabulary); set "
                 f"rollout.{key}={off} (top-k/top-p stay available on the Engine for evaluation)")
+        self.ers_enabled()  # controller.ers=on with roles that cannot move: fail now
         if self.controller.system_prompt and self.model.tokenizer == "byte":
             raise ConfigError(
                 "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
+
+    def ers_enabled(self) -> tuple[bool, str]:
+        """Whether elastic scaling runs, and why not when it does not. `controller.ers=on`
+        with roles that are not whole cells is a ConfigError; `auto` then just stays off."""
+        c = self.controller
+        if c.ers == "off" or c.ers == "auto" and c.mode != "tiderl":
+            return False, f"controller.ers={c.ers} (mode {c.mode})"
+        if self.cluster.colocate_rollout:
+            if c.ers == "on":
+                raise ConfigError("config key 'controller.ers'='on' with "
+                                  "cluster.colocate_rollout=true: rollout and training share "
+                                  "every device, so there are no cells to move; set one off")
+            return False, "cluster.colocate_rollout=true"
+        if self.trainer.mode != "auto":
+            if c.ers == "on":
+                raise ConfigError(f"config key 'controller.ers'='on' needs trainer.mode='auto' "
+                                  f"(ERS picks the RA2P mode), got {self.trainer.mode!r}")
+            return False, f"trainer.mode={self.trainer.mode}"
+        t, r = self.trainer, self.rollout
+        try:
+            cell_size_for(ranks=r.ranks, devices_per_rank=r.devices_per_rank,
+                          actor_devices=t.actor_devices, ref_devices=t.ref_devices,
+                          fsdp=t.fsdp, model_parallel=t.model_parallel)
+        except ConfigError as e:
+            if c.ers == "on":
+                raise
+            return False, str(e)
+        return True, ""
 
     def device_plan(self, n_devices: int) -> DevicePlan:
         colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"

@@ -14,11 +14,14 @@ from typing import Any
 
 import jax
 
+from tiderl.cluster import cell_layout
 from tiderl.config import RunConfig
+from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks
-from tiderl.control.ers import Roles
+from tiderl.control.ers import initial_cells, make_planner
 from tiderl.control.metrics import MetricsSink
+from tiderl.elastic import CellRuntime, CompileWatch
 from tiderl.envs.client import EnvClient
 from tiderl.envs.server import endpoint
 from tiderl.envs.tasks import TaskSource, TaskStream
@@ -57,6 +60,8 @@ class MicroBatcher:
     """Packs ready sequences; what does not fill a micro-batch waits for the next call."""
 
     def __init__(self, cfg: RunConfig, n_ranks: int, order: str):
+        # ERS changes `n_ranks` (the Actor's data-parallel width) and `order` between steps,
+        # when nothing waits here (a step's last call packs everything).
         self.cfg, self.n_ranks, self.order = cfg, n_ranks, order
         self.waiting: list[Any] = []
 
@@ -148,25 +153,58 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
-    rank_devices = [devices[r[0]] for r in plan.rollout]
+    async def make_rank(rank_id: int, device: Any, weights: Any, version: int) -> RolloutRank:
+        # The weight copy and the engine's setup run off the event loop.
+        def build_engine() -> Engine:
+            return Engine(graphdef, jax.device_put(weights, device), cfg.model, rcfg,
+                          seed=cfg.seed, version=version)
+
+        rank = RolloutRank(rank_id, await asyncio.to_thread(build_engine),
+                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+        await rank.start()
+        return rank
+
+    order = "decoupled" if trainer.mode == "decoupled" else "colocated"
+    batcher = MicroBatcher(cfg, dp_size(meshes["actor"]), order)
+    ers_on, why_off = cfg.ers_enabled()
+    runtime = cells_for(cfg, plan, devices, trainer=trainer, batcher=batcher,
+                        make_rank=make_rank)
+    if not ers_on:
+        log.info("elastic scaling off: %s", why_off)
     weights = await trainer.export_weights_async()
-    engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
-                      version=trainer.version) for d in rank_devices]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
-             for i, e in enumerate(engines)]
+    if runtime is not None:
+        cells, per_cell = runtime.initial, runtime.layout.ranks_per_cell
+        slots: list[RolloutRank | None] = [None] * (len(cells.roles) * per_cell)
+        for rank in await runtime.start_ranks(cells.cells("rollout"), weights, trainer.version):
+            slots[rank.rank_id] = rank
+    else:
+        cells = initial_cells([("rollout", len(plan.rollout)), ("trainer", 1)])
+        per_cell = 1
+        slots = [await make_rank(i, devices[r[0]], weights, trainer.version)
+                 for i, r in enumerate(plan.rollout)]
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
     capacity = rcfg.num_pages * rcfg.page_size
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
+    # One scheduler slot per rank any cell may serve; slots no rank serves yet are dead.
+    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(slots),
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
+    for i, rank in enumerate(slots):
+        if rank is None:
+            sched.remove_rank(i)
     sched.cfg.check_group_size(cfg.env.group_size)
+    manager: RolloutManager | None = None
 
     async def sync_weights(exported: Any, version: int) -> None:
-        async def one(rank: RolloutRank, device: Any) -> None:
-            # The copy runs off the event loop: env I/O keeps flowing during a sync.
-            await rank.update_weights(await asyncio.to_thread(jax.device_put, exported, device),
-                                      version)
+        live = [r for r in (manager.ranks if manager is not None else slots)
+                if r is not None and r.live and r.version != version]
 
-        await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))
+        def put() -> list[Any]:
+            return [jax.device_put(exported, r.engine.device) for r in live]
+
+        # On the trainer's worker thread, one copy after another: all cross-device work is
+        # issued from one thread in one order (and off the event loop: env I/O keeps flowing).
+        copies = await asyncio.wrap_future(trainer.call(put))
+        await asyncio.gather(*(r.update_weights(w, version)
+                               for r, w in zip(live, copies, strict=True)))
 
     train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
     train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
@@ -178,10 +216,11 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         # host memory) must neither block the event loop nor race the trainer's own work.
         await asyncio.wrap_future(trainer.call(lambda: ckpt.save(trainer, data_state=state)))
 
-    order = "decoupled" if trainer.mode == "decoupled" else "colocated"
-    hooks = Hooks(sync_weights=sync_weights,
-                  make_microbatches=MicroBatcher(cfg, dp_size(meshes["actor"]), order),
-                  checkpoint=checkpoint)
+    hooks = Hooks(sync_weights=sync_weights, make_microbatches=batcher, checkpoint=checkpoint,
+                  apply_roles=runtime.apply_roles if runtime is not None else None,
+                  compile_stats=CompileWatch.stats)
+    planner = make_planner(ers_on, cfg.controller.elastic,
+                           ra2p_live=cfg.controller.mode == "tiderl" and cfg.trainer.mode == "auto")
     buffer = ReadinessBuffer(groups_per_microbatch=cfg.controller.groups_per_microbatch,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,
@@ -191,24 +230,24 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                           total_steps=cfg.controller.steps)
     summary: dict = {}
     try:
-        for r in ranks:
-            await r.start()
         async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
-            manager = RolloutManager(ranks, sched, env, template,
+            manager = RolloutManager(slots, sched, env, template,
                                      max_turns=cfg.env.max_turns,
                                      system=cfg.controller.system_prompt or None,
                                      eval_temperature=cfg.controller.eval_temperature)
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
-                buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
-                start_step=start_step, pending=data_state.get("pending", []))
+                buffer=buffer, planner=planner, cells=cells, ranks_per_cell=per_cell,
+                ref_mode=trainer.mode, start_step=start_step,
+                pending=data_state.get("pending", []))
             summary = await controller.run()
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
     finally:
         metrics.close()
-        for r in ranks:
-            await r.close()
+        for r in (manager.ranks if manager is not None else slots):
+            if r is not None:
+                await r.close()
         ckpt.wait()
         ckpt.close()
         trainer.close()
@@ -218,3 +257,20 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
 
         summary["plots"] = [str(p) for p in write_plots(run_dir)]
     return summary
+
+
+def cells_for(cfg: RunConfig, plan: Any, devices: list, *, trainer: TrainerBackend,
+              batcher: MicroBatcher, make_rank: Any) -> CellRuntime | None:
+    """The run's cells (None when rollout and training share devices, or the roles are not
+    whole cells: then nothing can move and the RA2P mode stays fixed)."""
+    if cfg.cluster.colocate_rollout or cfg.controller.mode == "sync":
+        return None
+    t = cfg.trainer
+    try:
+        layout = cell_layout(plan, t.fsdp * t.model_parallel)
+    except ConfigError as e:
+        log.info("no cells: %s", e)
+        return None
+    return CellRuntime(layout, devices, trainer=trainer, batcher=batcher, make_rank=make_rank,
+                       fsdp=t.fsdp, model_parallel=t.model_parallel)
+

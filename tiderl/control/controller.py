@@ -17,6 +17,15 @@ this one loop:
 
 Evaluation every K steps: eval groups start right after the sync of step i's weights, at top
 priority, and the next sync waits for them, so they run entirely on step i's weights.
+
+Readiness-aware control (arXiv 2608.10402, §5.2) sits at the boundary after each update and
+before the weight sync: the buffer's signals (RAS, live TPRM, head-of-line latency against
+τ·T_step, deficits), the RA2P cost model's advice for the next step (`advise_mode` on predicted
+ready times) and its break-even RAS go to the planner (`tiderl.control.ers`); a plan that moves
+cells is carried out by `tiderl.control.roles.RoleSwitch` through `Hooks.apply_roles`. The
+trainer consumes an elastic batch in [B_min, B_ideal]: once it holds B_min it stops waiting
+when the wait would pass τ·T_step, and while rollout cannot refill B_ideal within a step it
+fetches toward B_min and leaves the rest ready (adaptive data retention).
 """
 
 from __future__ import annotations
@@ -28,12 +37,22 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
+from tiderl.control.buffer import Readiness, ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
-from tiderl.control.ers import KeepSplit, Planner, Roles
+from tiderl.control.ers import (
+    CellMap,
+    KeepSplit,
+    Planner,
+    RoleChange,
+    RoleChangeResult,
+    Signals,
+    initial_cells,
+)
 from tiderl.control.metrics import MetricsSink
+from tiderl.control.roles import RoleSwitch
 from tiderl.envs.tasks import TaskStream
 from tiderl.serving.rollout import RolloutManager
+from tiderl.train.ra2p import predicted_ready_times
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +87,20 @@ class Hooks:
     """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
     checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
     """Saves the trainer state at a step with the task-stream state."""
+    apply_roles: Callable[[RoleChange, Any], Awaitable[RoleChangeResult]] | None = None
+    """Carries out a role change at a sync boundary (see `tiderl.control.ers`); None: roles
+    stay as they are."""
+    compile_stats: Callable[[], dict] | None = None
+    """Cumulative compilation counters ({"compiles", "compile_s"}); role-change records and
+    step records report their deltas."""
 
 
 class Controller:
     def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
                  hooks: Hooks, train_stream: TaskStream,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
-                 planner: Planner | None = None, roles: Roles | None = None,
+                 planner: Planner | None = None, cells: CellMap | None = None,
+                 ranks_per_cell: int = 1, ref_mode: str | None = None,
                  start_step: int = 0, pending: Sequence[int] = ()):
         self.cfg = cfg
         self.manager = manager
@@ -85,7 +111,16 @@ class Controller:
         self.metrics = metrics
         self.buffer = buffer
         self.planner = planner or KeepSplit()
-        self.roles = roles or Roles(len(manager.ranks), 1, 0)
+        cells = cells or initial_cells([("rollout", len(manager.ranks)), ("trainer", 1)])
+        self.roles = RoleSwitch(
+            manager=manager, cells=cells, ranks_per_cell=ranks_per_cell,
+            ref_mode=ref_mode or ("decoupled" if cells.count("ref") else "colocated"),
+            apply_roles=hooks.apply_roles, compile_stats=hooks.compile_stats,
+            log_record=metrics.log, clock=self.now)
+        self._fetch = cfg.groups_per_step
+        """This step's fetch target in [B_min, B_ideal] (adaptive data retention)."""
+        self._advice: Any = None
+        self._compiles_at = self._compile_stats()
         self.step = start_step
         self._step0 = start_step
         self.version = trainer.version
@@ -214,8 +249,9 @@ class Controller:
             raise _TimeUp from None
 
     # -- training side ---------------------------------------------------------------------------
-    async def _wait_ready(self, n: int) -> float:
-        """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
+    async def _wait_ready(self, n: int, within: float | None = None) -> float:
+        """Waits until `n` groups are ready (or no more can come, or `within` seconds passed);
+        returns seconds waited."""
         t0 = self.now()
         while len(self.buffer) < n:
             if self._fatal is not None:
@@ -223,7 +259,16 @@ class Controller:
             if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()
-            await self._wait(self._ready)
+            if within is None:
+                await self._wait(self._ready)
+            else:
+                left = t0 + within - self.now()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._wait(self._ready), left)
+                except TimeoutError:
+                    break
             self._warn_if_starved()
         return self.now() - t0
 
@@ -250,22 +295,27 @@ class Controller:
 
     async def _train_step(self) -> dict:
         c = self.cfg
-        r = self.buffer.begin_step(self.now(), step_time=self._step_time,
-                                   batch_ideal=c.groups_per_step)
+        r = self.buffer.begin_step(self.now())
         t_step = self.now()
         self._t_train_start = t_step
         twt = 0.0
         taken: list[ReadyGroup] = []
         submitted = 0
         b_min = c.min_groups_per_step or c.groups_per_step
+        target = max(b_min, min(self._fetch, c.groups_per_step))
         streaming = c.mode in ("tiderl", "stream")
-        while len(taken) < c.groups_per_step:
-            need = c.groups_per_step - len(taken)
+        while len(taken) < target:
+            need = target - len(taken)
             want = min(need, c.groups_per_microbatch) if streaming else need
-            if len(taken) >= b_min and len(self.buffer) == 0:
-                break  # elastic batch: B_min reached and nothing more is ready
+            within = None
+            if len(taken) >= b_min:
+                # Elastic batch: B_min is in hand; wait for more only while the step stays
+                # within τ·T_step of its start (the first step has no T_step: no waiting).
+                within = t_step + c.elastic.tau * self._step_time - self.now()
+                if len(self.buffer) == 0 and within <= 0:
+                    break
             try:
-                waited = await self._wait_ready(want)
+                waited = await self._wait_ready(want, within)
             except _TimeUp:
                 if not taken:
                     raise
@@ -281,7 +331,7 @@ class Controller:
                 continue
             taken += groups
             seqs = [s for g in groups for s in g.seqs]
-            final = len(taken) >= c.groups_per_step
+            final = len(taken) >= target
             for mb in self.hooks.make_microbatches(seqs, final):
                 self.trainer.submit(mb)
                 submitted += 1
@@ -292,7 +342,7 @@ class Controller:
             raise RuntimeError("no trainable data: every group failed, was stale or had zero "
                                "reward variance; check the env server and controller settings")
         m = await self.trainer.finish_step_async()
-        r = self.buffer.end_step(r)
+        r = self.buffer.end_step(r, taken)
         step_time = self.now() - t_step
         self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
         twt += float(m.get("time_wait", 0.0))
@@ -306,6 +356,89 @@ class Controller:
             log.warning("step %d: non-finite loss/gradient; update skipped (%d in a row)",
                         self.step + 1, self.nonfinite)
         return {"train": m, "readiness": r, "taken": taken, "twt": twt, "step_time": step_time}
+
+    # -- readiness-aware control (the sync boundary) --------------------------------------------
+    def _compile_stats(self) -> dict:
+        return dict(self.hooks.compile_stats()) if self.hooks.compile_stats else {}
+
+    def _uses_ref(self) -> bool:
+        return bool(getattr(self.trainer, "uses_ref", True))
+
+    def _n_microbatches(self) -> int:
+        return max(1, -(-self.cfg.groups_per_step // self.cfg.groups_per_microbatch))
+
+    def _signals(self, out: dict) -> Signals:
+        """The buffer's boundary signals, the RA2P break-even and the cost model's advice for
+        the next step (its ready times predicted from RAS now and the live TPRM)."""
+        c, e = self.cfg, self.cfg.elastic
+        m_actor = max(1, self.roles.cells.count("trainer"))
+        n_mb = self._n_microbatches()
+        model = getattr(self.trainer, "cost_model", None)
+        model = model(m_actor) if model is not None else None
+        tprm = self.buffer.tprm_ema
+        be = model.break_even(n_mb, tprm) if model is not None else n_mb + 1
+        r: Readiness = self.buffer.boundary(
+            out["readiness"], self.now(), step_time=out["step_time"],
+            step_time_mean=self._step_time, twt=out["twt"], rwt=self.rwt,
+            batch_ideal=c.groups_per_step, tau=e.tau, wait_frac=e.wait_frac,
+            break_even_ras=be, uses_ref=self._uses_ref())
+        advise = getattr(self.trainer, "advise_mode", None)
+        self._advice = advise(predicted_ready_times(n_mb, r.ras_next, tprm), m_actor) \
+            if advise is not None else None
+        return self._to_signals(r, eval_next=bool(c.eval_every and self.step % c.eval_every == 0
+                                                  and self.step < c.steps))
+
+    def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False) -> Signals:
+        a = self._advice
+        return Signals(step=self.step, cold_start=cold_start, eval_next=eval_next,
+                       uses_ref=self._uses_ref(), ras_next=r.ras_next,
+                       break_even_ras=r.break_even_ras,
+                       ra2p_mode=a.mode if a is not None else self.roles.ref_mode,
+                       generation_deficit=r.generation_deficit,
+                       consumption_deficit=r.consumption_deficit or r.above_break_even,
+                       deficit_reason=r.deficit_reason, pinned=self._pinned())
+
+    def _pinned(self) -> frozenset[int]:
+        """Cells whose rollout rank failed: never moved (their device is suspect)."""
+        k = self.roles.ranks_per_cell
+        return frozenset(r // k for r in self.manager.sched.dead
+                         if r < len(self.manager.ranks) and self.manager.ranks[r] is not None
+                         and self.manager.ranks[r].failed is not None)
+
+    async def _cold_start(self) -> None:
+        """Before any rollout: the planner may allocate rollout preemptively (empty buffer)."""
+        c = self.cfg
+        sig = self._to_signals(Readiness(), eval_next=bool(c.eval_every), cold_start=True)
+        plan = self.planner.plan(sig, self.roles.cells)
+        if self.roles.differs(plan):
+            weights = await self.trainer.export_weights_async()
+            await self.roles.apply(plan, step=self.step, version=self.version, weights=weights)
+
+    async def _boundary(self, out: dict) -> float:
+        """Signals → plan → role change → weight sync (to every live rank, new ones included);
+        returns the seconds it took."""
+        t0 = self.now()
+        self.roles.finish_pending()
+        signals = self._signals(out)
+        plan = self.planner.plan(signals, self.roles.cells)
+        weights = await self.trainer.export_weights_async()
+        change = await self.roles.apply(plan, step=self.step, version=self.version,
+                                        weights=weights)
+        await self.hooks.sync_weights(weights, self.version)
+        self._retain(out["readiness"])
+        out["plan"], out["change"] = plan, change
+        out["change_s"] = change["change_s"] if change else 0.0
+        return self.now() - t0
+
+    def _retain(self, r: Readiness) -> None:
+        """Adaptive data retention: while rollout cannot refill B_ideal within a step (the
+        generation rate times T_step, typically after a rollout scale-down), the trainer
+        fetches toward B_min and what else is ready stays for the next step."""
+        c = self.cfg
+        b_min = c.min_groups_per_step or c.groups_per_step
+        sustain = r.gen_rate * self._step_time if r.gen_rate == r.gen_rate else math.inf
+        self._fetch = c.groups_per_step if b_min >= c.groups_per_step or \
+            sustain >= c.groups_per_step else max(b_min, int(sustain))
 
     # -- evaluation ------------------------------------------------------------------------------
     async def _evaluate(self, step: int, version: int) -> None:
@@ -346,6 +479,7 @@ class Controller:
         c = self.cfg
         self._t0 = self.now()
         self.last_eval = float("nan")
+        await self._cold_start()
         if c.mode != "sync":
             self._producer = asyncio.create_task(self._produce(), name="producer")
         if c.eval_every:
@@ -376,12 +510,7 @@ class Controller:
                 self.step += 1
                 self.version = self.trainer.version
                 await self._await_eval()
-                t_sync = self.now()
-                plan = self.planner.plan(out["readiness"], self.roles)
-                self.roles = plan.roles
-                await self.hooks.sync_weights(await self.trainer.export_weights_async(),
-                                              self.version)
-                sync_s = self.now() - t_sync
+                sync_s = await self._boundary(out)
                 self._changed.set()
                 if c.mode == "sync":
                     self.rwt += out["step_time"] + sync_s
@@ -415,6 +544,7 @@ class Controller:
         await self._await_eval()
         if c.eval_every:
             await self._evaluate(self.step, self.version)
+        self.roles.finish_pending()
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
@@ -442,11 +572,9 @@ class Controller:
             "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
             **({"t_rollout_start": self._t_roll[0] - self._t0,
                 "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),
-            "ras": r.ras, "tprm_s": r.tprm, "hol_s": r.hol_s,
-            "generation_deficit": r.generation_deficit,
-            "consumption_deficit": r.consumption_deficit,
+            **r.record(),
             "staleness_mean": _mean_staleness(taken, self.version - 1),
-            "rollout_ranks": self.roles.rollout_ranks, "trainer_ranks": self.roles.trainer_ranks,
+            **self._roles_record(out),
             "nonfinite_skipped": self.nonfinite_total,
             "eval_success": self.last_eval,
             **{k: v for k, v in m.items() if isinstance(v, (int, float, str))},
@@ -459,8 +587,28 @@ class Controller:
         live = self.in_flight | {g.group_id for g in self.buffer.ready}
         self.index_of = {g: k for g, k in self.index_of.items() if g in live}
 
+    def _roles_record(self, out: dict) -> dict:
+        """Roles, the RA2P choice and the plan of this boundary, for the step record."""
+        cells, a, plan = self.roles.cells, self._advice, out.get("plan")
+        now = self._compile_stats()
+        delta = {f"{k}_step": v - self._compiles_at.get(k, 0) for k, v in now.items()}
+        self._compiles_at = now
+        return {
+            "rollout_cells": cells.count("rollout"), "trainer_cells": cells.count("trainer"),
+            "ref_cells": cells.count("ref"), "ref_mode": self.roles.ref_mode,
+            "rollout_ranks": sum(r is not None and r.live for r in self.manager.ranks),
+            "trainer_ranks": cells.count("trainer"),
+            "ra2p_advice": a.mode if a is not None else None,
+            "c_dec": a.c_dec if a is not None else None,
+            "c_col": a.c_col if a is not None else None,
+            "ra2p_reason": a.reason if a is not None else None,
+            "plan_rule": plan.rule if plan is not None else None,
+            "plan_reason": plan.reason if plan is not None else None,
+            "role_change_s": out.get("change_s", 0.0), "fetch_next": self._fetch, **delta}
+
     def _summary(self) -> dict:
-        return {**self.metrics.summary.result(), "ended": self.end_reason}
+        return {**self.metrics.summary.result(), **self.roles.summary(),
+                "ended": self.end_reason}
 
 
 def _tagged(group: dict, tag: str, size: int | None = None) -> dict:
