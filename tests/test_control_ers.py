@@ -17,7 +17,9 @@ GEN = dict(generation_deficit=True, deficit_reason="2 of B_ideal=8 groups ready"
 
 
 def run(planner, trace, cells=START):
-    """Feeds one Signals per boundary; returns the plans and the final cells."""
+    """Feeds one Signals per boundary, after the run's first boundary (its step compiles: it
+    never counts toward a trend); returns the plans and the final cells."""
+    planner.plan(Signals(step=0), cells)
     plans = []
     for step, kw in enumerate(trace, start=1):
         p = planner.plan(Signals(step=step, **kw), cells)
@@ -39,7 +41,11 @@ def test_consumption_deficit_moves_a_rollout_cell_to_the_trainer_after_patience(
 
 
 def test_generation_deficit_frees_the_ref_first_then_a_trainer_cell():
+    # After a move the next boundary settles (its step began on the old layout): the second
+    # move needs patience boundaries after that one.
     plans, cells = run(ERSPlanner(ERSConfig(patience=2, cooldown=0)), [GEN] * 4)
+    assert moves(plans) == [("ref", "rollout")]
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, cooldown=0)), [GEN] * 5)
     assert moves(plans) == [("ref", "rollout"), ("trainer", "rollout")]
     assert plans[1].ref_mode == "colocated" and "colocated RA2P" in plans[1].reason
     assert cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}

@@ -45,7 +45,7 @@ class Scripted:
         return ScalingPlan(after, moves_between(cells, after), reason="scripted", rule="test")
 
 
-async def run(planner, cells, *, steps=6, capacity=96, tmp=None):
+async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=False):
     tmpl = template_for(ByteTokenizer(), "byte")
     made = []
 
@@ -73,6 +73,8 @@ async def run(planner, cells, *, steps=6, capacity=96, tmp=None):
 
     async def apply_roles(change, weights):
         changes.append(change)
+        if fail_first and len(changes) == 1:
+            raise RuntimeError("injected: the device move failed")
         ranks = [await new_rank(rid, weights, change.version)
                  for c in change.joining_rollout() for rid in change.rank_ids(c)]
         return RoleChangeResult(ranks, {"move_s": 0.25, "join_s": 0.0})
@@ -176,3 +178,17 @@ def test_ers_planner_runs_a_job_on_virtual_time(capacity):
         assert r["rollout_cells"] + r["trainer_cells"] + r["ref_cells"] == 4
     for c in changes:
         assert c["reason"] and c["moves"] and "drain_s" in c
+
+
+def test_a_failed_role_change_is_reverted_and_the_run_goes_on():
+    script = [CellMap(("rollout", "trainer", "trainer"))]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = go(run(Scripted(script), START, tmp=tmp, fail_first=True, steps=4))
+    steps = [r for r in out["records"] if r["kind"] == "step"]
+    failed = [r for r in out["records"] if r["kind"] == "role_change_failed"]
+    assert len(steps) == 4 and len(failed) == 1 and failed[0]["reason"] == "scripted"
+    # The revert brought the drained cell back: its two ranks serve again, fresh.
+    assert [c.reason for c in out["changes"]] == ["scripted", "revert"]
+    assert all(r["rollout_cells"] == 2 and r["rollout_ranks"] == 4 for r in steps)
+    m = out["manager"].stats()
+    assert m["tasks_submitted"] == m["tasks_ended"] + m["tasks_live"]

@@ -26,6 +26,11 @@ class ClusterConfig:
     jax_num_cpu_devices. Ignored when a GPU backend is picked."""
     colocate_rollout: bool = False
     """Rollout and training share all devices and alternate (the `sync` baseline)."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache: 'auto' (the user cache dir, $XDG_CACHE_HOME or
+    ~/.cache, under tiderl/jax), 'run' (<run_dir>/compile_cache), 'off', or a directory.
+    Executables that took over a second to compile are reused by later runs (and by a
+    resumed one), including those of every trainer mesh elastic scaling visits."""
 
     def __post_init__(self):
         if self.fake_cpu_devices < 0:
@@ -116,6 +121,31 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
         # shapes the CPU client, so it is harmless where a GPU backend wins.
         jax.config.update("jax_num_cpu_devices", cfg.fake_cpu_devices)
     return list(jax.devices())
+
+
+def compile_cache_dir(cfg: ClusterConfig, run_dir: str) -> str | None:
+    """Where `cluster.compile_cache` puts JAX's persistent compilation cache (None: off)."""
+    import os
+
+    v = cfg.compile_cache
+    if v == "off" or not v:
+        return None
+    if v == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "tiderl", "jax")
+    if v == "run":
+        return os.path.join(run_dir, "compile_cache")
+    return os.path.expanduser(v)
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """Turns the persistent compilation cache on at `path` (before the first compilation: JAX
+    decides once per process whether to use it)."""
+    if path is None:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
 
 
 def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,

@@ -23,6 +23,7 @@ pool, start). `CompileWatch` counts XLA compilations process-wide through `jax.m
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -35,6 +36,8 @@ from tiderl.cluster import CellLayout
 from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult
 from tiderl.models.sharding import make_mesh
 from tiderl.train.ref_actor import dp_size
+
+log = logging.getLogger(__name__)
 
 
 class CompileWatch:
@@ -114,10 +117,19 @@ class CellRuntime:
         return self.devices[self.layout.cells[cell][j]]
 
     async def start_ranks(self, cells: Sequence[int], weights: Any, version: int) -> list[Any]:
-        """Started ranks for `cells` (rank id cell·k + j on the cell's j-th device)."""
+        """Started ranks for `cells` (rank id cell·k + j on the cell's j-th device). A rank
+        whose engine cannot be set up is left out (logged): the others serve."""
         k = self.layout.ranks_per_cell
-        return [await self.make_rank(c * k + j, self.rank_device(c, j), weights, version)
-                for c in cells for j in range(k)]
+        out = []
+        for c in cells:
+            for j in range(k):
+                try:
+                    out.append(await self.make_rank(c * k + j, self.rank_device(c, j), weights,
+                                                    version))
+                except Exception:  # a device failure must not stop the run
+                    log.exception("rollout rank %d (cell %d) failed to start; its slot stays "
+                                  "empty", c * k + j, c)
+        return out
 
     async def apply_roles(self, change: RoleChange, weights: Any) -> RoleChangeResult:
         t0 = time.perf_counter()

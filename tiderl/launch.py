@@ -77,13 +77,14 @@ def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     import jax
 
-    from tiderl.cluster import init_jax, role_meshes
+    from tiderl.cluster import compile_cache_dir, enable_compile_cache, init_jax, role_meshes
     from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
         cfg.device_plan(cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
+    enable_compile_cache(compile_cache_dir(cfg.cluster, cfg.run_dir))
     plan = cfg.device_plan(len(devices))
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
@@ -208,6 +209,9 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        ("role changes (ERS) → cells rollout/trainer/Ref",
+         f"{s.get('role_changes', 0)} → {s.get('rollout_cells')}/{s.get('trainer_cells')}/"
+         f"{s.get('ref_cells')}"),
     ]
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))

@@ -26,6 +26,12 @@ Interface (what a simulator implements to reuse the planner and the controller u
   The real implementation is `tiderl.elastic.CellRuntime`; a virtual-time one charges loop time.
 - `Hooks.compile_stats() -> {"compiles": n, "compile_s": s}` (optional, cumulative): lets the
   record count compilations during the change and during the step after it.
+- The trainer port may offer `uses_ref` (bool: the loss has a KL term), `cost_model(m_actor)
+  -> tiderl.train.ra2p.CostModel` (measured phase costs; gives the break-even RAS) and
+  `advise_mode(ready_times, m_actor) -> ra2p.ModeChoice`; without them the Ref counts as used
+  and the RA2P advice is the current mode. `m_actor` is the number of trainer cells.
+- `Controller(..., planner=ERSPlanner(cfg), cells=CellMap(...), ranks_per_cell=k,
+  ref_mode="decoupled" | "colocated")` — nothing else changes; a hook-less run keeps its roles.
 - The planner sees only `Signals` and the `CellMap`; it keeps its own hysteresis state and is
   deterministic, so a replayed trace gives the same plans.
 
@@ -45,7 +51,8 @@ the cold-start plan made before any rollout has run):
 5. Generation deficit (the next batch is short of B_ideal and the trainer waited) held for
    `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else a trainer cell does.
 6. Hysteresis: besides `patience`, a move that undoes the previous one waits `cooldown`
-   boundaries. Bounds on cells per role are never crossed.
+   boundaries, and the boundary right after the run's start or a move does not count toward
+   `patience` (its step compiled, or began on the old layout). Bounds are never crossed.
 """
 
 from __future__ import annotations
@@ -224,6 +231,7 @@ class KeepSplit:
         self.patience = patience
         self.ref_mode = ref_mode
         self._streak = 0
+        self._settle = True  # the run's first boundary (compilation) and one after a switch
 
     def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
         have_ref = cells.count("ref") > 0
@@ -231,9 +239,13 @@ class KeepSplit:
         if not self.ra2p_live or not have_ref:
             return ScalingPlan(cells, ref_mode=mode)
         want = signals.ra2p_mode if signals.uses_ref else "colocated"
+        if signals.cold_start or self._settle:
+            self._settle = signals.cold_start
+            self._streak = 0
+            return ScalingPlan(cells, ref_mode=mode)
         self._streak = self._streak + 1 if want != mode else 0
         if self._streak >= self.patience:
-            self.ref_mode, self._streak = want, 0
+            self.ref_mode, self._streak, self._settle = want, 0, True
             return ScalingPlan(cells, ref_mode=want, rule="ra2p",
                                reason=f"RA2P: {want} (cost model advice held {self.patience} "
                                       "boundaries); cells unchanged (ERS off)")
@@ -249,6 +261,9 @@ class ERSPlanner:
         """Each cell's role in the first map seen: moves prefer sending cells home, so the
         trainer meshes it passes through recur (compiled once)."""
         self._gen = self._con = 0
+        self._settle = True
+        """The next boundary follows the run's start or a move: its step compiled, or ran on a
+        layout it did not start with, so its signals do not count toward `patience`."""
         self._last: Move | None = None
         self._since_last = math.inf
         self._eval_moved: Move | None = None
@@ -305,6 +320,7 @@ class ERSPlanner:
         after = cells.with_role(cell, dst)
         move = Move(cell, src, dst)
         self._last, self._since_last = move, 0
+        self._settle, self._con, self._gen = True, 0, 0
         return ScalingPlan(after, (move,), reason=f"{reason}: cell {cell} {src} → {dst}",
                            rule=rule, ref_mode=_ref_mode(after))
 
@@ -313,11 +329,17 @@ class ERSPlanner:
             self.home = cells.roles
         self._since_last += 1
         s, c = signals, self.cfg
-        self._con = self._con + 1 if s.consumption_deficit and not s.generation_deficit else 0
-        self._gen = self._gen + 1 if s.generation_deficit and not s.consumption_deficit else 0
         keep = ScalingPlan(cells, ref_mode=_ref_mode(cells))
         if s.cold_start:
+            self._settle = True
             return self._cold_start(s, cells) if c.cold_start else keep
+        if self._settle:
+            self._settle, self._con, self._gen = False, 0, 0
+        else:
+            self._con = self._con + 1 if s.consumption_deficit and not s.generation_deficit \
+                else 0
+            self._gen = self._gen + 1 if s.generation_deficit and not s.consumption_deficit \
+                else 0
         if cells.count("ref") and not s.uses_ref:
             p = self._move(cells, "ref", "rollout", s, rule="no_ref", check_cooldown=False,
                            reason="no KL term, so the Ref runs no forward: its cell serves "

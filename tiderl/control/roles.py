@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult, ScalingPlan
+from tiderl.control.ers import CellMap, Move, RoleChange, RoleChangeResult, ScalingPlan
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,22 @@ class RoleSwitch:
         change = RoleChange(step=step, version=version, before=self.cells, after=plan.cells,
                             moves=plan.moves, ref_mode=plan.ref_mode, reason=plan.reason,
                             ranks_per_cell=self.ranks_per_cell)
-        result = await self._apply(change, weights)
+        try:
+            result = await self._apply(change, weights)
+        except Exception:
+            # A plan never stops the run: undo what the hook may have done (the drained
+            # cells come back to rollout, the trainer returns to its cells) and keep going.
+            log.exception("ERS step %d: role change failed (%s); reverting", step, plan.reason)
+            back = dataclasses.replace(change, before=plan.cells, after=self.cells,
+                                       moves=tuple(Move(m.cell, m.dst, m.src)
+                                                   for m in plan.moves),
+                                       ref_mode=self.ref_mode, reason="revert")
+            result = await self._apply(back, weights)
+            for rank in result.ranks:
+                self.manager.add_rank(rank)
+            self._log({"kind": "role_change_failed", "step": step, "reason": plan.reason,
+                       "drain_s": t_drain - t0})
+            return None
         for rank in result.ranks:
             self.manager.add_rank(rank)
         self.cells, self.ref_mode = plan.cells, plan.ref_mode
@@ -85,7 +100,7 @@ class RoleSwitch:
             "kind": "role_change", "step": step, "version": version, "epoch": self.changes,
             "rule": plan.rule, "reason": plan.reason, "ref_mode": plan.ref_mode,
             "moves": [dataclasses.asdict(m) for m in plan.moves],
-            "cells": plan.cells.describe(),
+            "cells": plan.cells.describe(), "before": change.before.describe(),
             "drain_s": t_drain - t0,
             "tasks_migrated": sum(d.get("tasks", 0) for d in drained),
             "handoffs": sum(d.get("handoffs", 0) for d in drained),

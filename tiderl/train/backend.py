@@ -204,11 +204,20 @@ class TrainerBackend:
         t0 = time.perf_counter()
         self.swap("actor", "device")
         self.swap("ref", "device")
-        self.actor_mesh = actor_mesh
-        cached = self._bind(ref_mesh)
-        self.state = jax.device_put(self.state, self.sh.state)
-        self.ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
-        jax.block_until_ready((self.state, self.ref_params))
+        old = (self.actor_mesh, self.ref_mesh, self.mode, self.tx, self.sh, self.ref_param_sh,
+               self.k)
+        try:
+            self.actor_mesh = actor_mesh
+            cached = self._bind(ref_mesh)
+            state = jax.device_put(self.state, self.sh.state)
+            ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
+            jax.block_until_ready((state, ref_params))
+        except BaseException:
+            # All or nothing: the state never left its old meshes, so keep their kernels.
+            (self.actor_mesh, self.ref_mesh, self.mode, self.tx, self.sh, self.ref_param_sh,
+             self.k) = old
+            raise
+        self.state, self.ref_params = state, ref_params
         self._last_role = None
         self.offload = self._decide_offload()
         self._reset_step()
