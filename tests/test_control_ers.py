@@ -103,14 +103,17 @@ def test_ras_above_break_even_provisions_a_decoupled_ref():
     assert choose_mode(predicted_ready_times(8, be, 10.0), costs).mode == "decoupled"
     colocated = CellMap(("rollout", "rollout", "trainer"))
     sig = dict(uses_ref=True, ras_next=be, break_even_ras=be, ra2p_mode="decoupled",
-               consumption_deficit=True, deficit_reason=f"RAS {be} ≥ break-even {be}")
+               above_break_even=True, deficit_reason=f"RAS {be} ≥ break-even {be}")
     plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [sig, sig], colocated)
     assert moves(plans) == [("rollout", "ref")] and plans[-1].ref_mode == "decoupled"
-    # Without a Ref forward to run (no KL term) the same backlog widens the trainer instead,
-    # and an existing Ref cell goes to rollout at once.
+    # A backlog at the break-even alone is no reason to widen the trainer: without a Ref
+    # forward to run (no KL term) nothing moves; with data waiting too, the trainer widens.
     nokl = {**sig, "uses_ref": False}
     plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [nokl, nokl], colocated)
+    assert moves(plans) == []
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [{**nokl, **CON}] * 2, colocated)
     assert moves(plans) == [("rollout", "trainer")]
+    # An existing Ref cell with nothing to compute goes to rollout at once.
     p = ERSPlanner().plan(Signals(uses_ref=False), START)
     assert p.rule == "no_ref" and p.cells.count("ref") == 0 and p.ref_mode == "colocated"
     # The cost model agrees: with no Ref phase (t_ref = 0) there is nothing to decouple.

@@ -235,6 +235,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                                      max_turns=cfg.env.max_turns,
                                      system=cfg.controller.system_prompt or None,
                                      eval_temperature=cfg.controller.eval_temperature)
+            slots.clear()  # the manager holds the ranks now: a drained one is freed
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,

@@ -395,7 +395,8 @@ class Controller:
                        break_even_ras=r.break_even_ras,
                        ra2p_mode=a.mode if a is not None else self.roles.ref_mode,
                        generation_deficit=r.generation_deficit,
-                       consumption_deficit=r.consumption_deficit or r.above_break_even,
+                       consumption_deficit=r.consumption_deficit,
+                       above_break_even=r.above_break_even,
                        deficit_reason=r.deficit_reason, pinned=self._pinned())
 
     def _pinned(self) -> frozenset[int]:

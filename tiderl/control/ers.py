@@ -211,6 +211,9 @@ class Signals:
     """The cost model's advice for the next step (C_dec vs C_col)."""
     generation_deficit: bool = False
     consumption_deficit: bool = False
+    """Data waits for the trainer (head-of-line latency over τ·T_step, or rollout throttled)."""
+    above_break_even: bool = False
+    """RAS now is at or above the RA2P break-even (with a Ref forward to run)."""
     deficit_reason: str = ""
     pinned: frozenset[int] = frozenset()
     """Cells never moved (e.g. a rollout rank there failed)."""
@@ -336,10 +339,9 @@ class ERSPlanner:
         if self._settle:
             self._settle, self._con, self._gen = False, 0, 0
         else:
-            self._con = self._con + 1 if s.consumption_deficit and not s.generation_deficit \
-                else 0
-            self._gen = self._gen + 1 if s.generation_deficit and not s.consumption_deficit \
-                else 0
+            con = s.consumption_deficit or s.above_break_even
+            self._con = self._con + 1 if con and not s.generation_deficit else 0
+            self._gen = self._gen + 1 if s.generation_deficit and not con else 0
         if cells.count("ref") and not s.uses_ref:
             p = self._move(cells, "ref", "rollout", s, rule="no_ref", check_cooldown=False,
                            reason="no KL term, so the Ref runs no forward: its cell serves "
@@ -364,18 +366,18 @@ class ERSPlanner:
                     return p
         why = f" ({s.deficit_reason})" if s.deficit_reason else ""
         if self._con >= c.patience:
-            if s.uses_ref and s.ra2p_mode == "decoupled" and not cells.count("ref"):
+            if s.uses_ref and not cells.count("ref") and (s.above_break_even
+                                                           or s.ra2p_mode == "decoupled"):
                 p = self._move(cells, "rollout", "ref", s, rule="consumption",
                                reason=f"consumption deficit{why}, RA2P advises decoupled "
                                       f"(RAS {s.ras_next} vs break-even {s.break_even_ras}): "
                                       "a dedicated Ref")
                 if p is not None:
-                    self._con = 0
                     return p
             p = self._move(cells, "rollout", "trainer", s, rule="consumption",
-                           reason=f"consumption deficit{why}: trainer +1 cell")
+                           reason=f"consumption deficit{why}: trainer +1 cell") \
+                if s.consumption_deficit else None
             if p is not None:
-                self._con = 0
                 return p
         if self._gen >= c.patience:
             for src, what in (("ref", "colocated RA2P, the Ref cell serves rollout"),
@@ -383,7 +385,6 @@ class ERSPlanner:
                 p = self._move(cells, src, "rollout", s, rule="generation",
                                reason=f"generation deficit{why}: {what}")
                 if p is not None:
-                    self._gen = 0
                     return p
         return keep
 
