@@ -113,10 +113,10 @@ def throughput(args: argparse.Namespace) -> dict:
                   f"eval {s.get('eval_success_last', float('nan')):.3f}", flush=True)
     keys = ("goodput", "gen_throughput", "kv_hit_rate", "rwt_s", "twt_s", "wall_s",
             "role_changes", "eval_success_last")
-    print(f"\n{'contender':22s}" + "".join(f"{k:>17s}" for k in keys) + f"{'goodput/sync':>14s}")
+    print(f"\n{'contender':22s}" + "".join(f"{k:>18s}" for k in keys) + f"{'goodput/sync':>14s}")
     g = {n: med(results[n], "goodput") for n in names}
     for n in names:
-        print(f"{n:22s}" + "".join(f"{med(results[n], k):17.3f}" for k in keys)
+        print(f"{n:22s}" + "".join(f"{med(results[n], k):18.3f}" for k in keys)
               + f"{g[n] / g['sync']:14.2f}")
 
     def best(prefix: str) -> str:  # the swept knob: each fixed-split mode at its best split
