@@ -45,7 +45,8 @@ class Scripted:
         return ScalingPlan(after, moves_between(cells, after), reason="scripted", rule="test")
 
 
-async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=False):
+async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=False,
+              batch=(3, 0), env_step_s=1.5):
     tmpl = template_for(ByteTokenizer(), "byte")
     made = []
 
@@ -67,7 +68,7 @@ async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=Fals
     for i, r in enumerate(slots):
         if r is None:
             sched.remove_rank(i)
-    env = SimGuessEnv(step_s=1.5)
+    env = SimGuessEnv(step_s=env_step_s)
     trainer = SimTrainer(per_mb_s=0.5)
     changes = []
 
@@ -96,8 +97,9 @@ async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=Fals
         return add(ts, now=now)
 
     buffer.add_group = record
-    cfg = ControllerConfig(steps=steps, groups_per_step=3, groups_per_microbatch=1,
-                           eval_every=0, console=False, checkpoint_every=0, min_ok_per_group=1)
+    cfg = ControllerConfig(steps=steps, groups_per_step=batch[0], min_groups_per_step=batch[1],
+                           groups_per_microbatch=1, eval_every=0, console=False,
+                           checkpoint_every=0, min_ok_per_group=1)
     metrics = MetricsSink(tmp, console=False)
     controller = Controller(
         cfg, manager=manager, trainer=trainer,
@@ -192,3 +194,27 @@ def test_a_failed_role_change_is_reverted_and_the_run_goes_on():
     assert all(r["rollout_cells"] == 2 and r["rollout_ranks"] == 4 for r in steps)
     m = out["manager"].stats()
     assert m["tasks_submitted"] == m["tasks_ended"] + m["tasks_live"]
+
+
+def test_elastic_batch_trains_on_b_min_rather_than_wait_and_retains_data():
+    """B_min = 2 of B_ideal = 6. With one slow rollout cell, rollout cannot sustain the
+    trainer's consumption: steps end with B_min..B_ideal groups instead of waiting for six,
+    and the fetch target drops to B_min (adaptive data retention). With three fast rollout
+    cells the trainer fetches full batches. With B_min = B_ideal every batch is full."""
+    with tempfile.TemporaryDirectory() as tmp:
+        slow = go(run(Scripted([]), CellMap(("rollout", "trainer")), tmp=tmp, steps=8,
+                      batch=(6, 2), env_step_s=3.0))
+    steps = [r for r in slow["records"] if r["kind"] == "step"]
+    assert len(steps) == 8 and all(2 <= r["groups"] <= 6 for r in steps)
+    assert all(r["fetch_next"] == 2 for r in steps[1:])
+    assert all(r["ready_next"] < 6 for r in steps)  # it never had six to take
+    with tempfile.TemporaryDirectory() as tmp:
+        fast = go(run(Scripted([]), CellMap(("rollout", "rollout", "rollout", "trainer")),
+                      tmp=tmp, steps=5, batch=(6, 2), env_step_s=0.2))
+    steps = [r for r in fast["records"] if r["kind"] == "step"]
+    assert all(r["fetch_next"] == 6 for r in steps) and [r["groups"] for r in steps][1:] == \
+        [6] * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        full = go(run(Scripted([]), CellMap(("rollout", "trainer")), tmp=tmp, steps=3,
+                      batch=(6, 0), env_step_s=3.0))
+    assert {r["groups"] for r in full["records"] if r["kind"] == "step"} == {6}

@@ -24,8 +24,9 @@ before the weight sync: the buffer's signals (RAS, live TPRM, head-of-line laten
 ready times) and its break-even RAS go to the planner (`tiderl.control.ers`); a plan that moves
 cells is carried out by `tiderl.control.roles.RoleSwitch` through `Hooks.apply_roles`. The
 trainer consumes an elastic batch in [B_min, B_ideal]: once it holds B_min it stops waiting
-when the wait would pass τ·T_step, and while rollout cannot refill B_ideal within a step it
-fetches toward B_min and leaves the rest ready (adaptive data retention).
+when the wait would pass τ·T_step, and while rollout cannot sustain the trainer's consumption
+it fetches toward B_min and leaves a micro-batch ready for the next step (adaptive data
+retention).
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class Controller:
             log_record=metrics.log, clock=self.now)
         self._fetch = cfg.groups_per_step
         """This step's fetch target in [B_min, B_ideal] (adaptive data retention)."""
+        self._t_group: float | None = None
+        """Trainer compute seconds per group (exponentially weighted)."""
         self._advice: Any = None
         self._compiles_at = self._compile_stats()
         self.step = start_step
@@ -344,7 +347,11 @@ class Controller:
         m = await self.trainer.finish_step_async()
         r = self.buffer.end_step(r, taken)
         step_time = self.now() - t_step
-        self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
+        # T_step, the mean duration of a full step (B_ideal groups): a step that ended early
+        # at B_min counts as its time per group scaled up, so the elastic batch's wait budget
+        # and the head-of-line threshold do not shrink with the batch.
+        full = step_time * c.groups_per_step / max(1, len(taken))
+        self._step_time = full if not self._step_time else 0.7 * self._step_time + 0.3 * full
         twt += float(m.get("time_wait", 0.0))
         finite = all(math.isfinite(float(m.get(k, 0.0))) for k in ("loss", "grad_norm"))
         if finite and not m.get("skipped", False):
@@ -426,20 +433,24 @@ class Controller:
         change = await self.roles.apply(plan, step=self.step, version=self.version,
                                         weights=weights)
         await self.hooks.sync_weights(weights, self.version)
-        self._retain(out["readiness"])
+        self._retain(out["readiness"], out)
         out["plan"], out["change"] = plan, change
         out["change_s"] = change["change_s"] if change else 0.0
         return self.now() - t0
 
-    def _retain(self, r: Readiness) -> None:
-        """Adaptive data retention: while rollout cannot refill B_ideal within a step (the
-        generation rate times T_step, typically after a rollout scale-down), the trainer
-        fetches toward B_min and what else is ready stays for the next step."""
+    def _retain(self, r: Readiness, out: dict) -> None:
+        """Adaptive data retention: while rollout cannot sustain the trainer's consumption
+        (trainable groups per second below what the trainer trains per second of its own
+        compute, as after a rollout scale-down), the next step fetches toward B_min — what is
+        ready beyond B_min less one micro-batch left as a reservoir, so the step after starts
+        with data instead of waiting. Off when B_min = B_ideal."""
         c = self.cfg
         b_min = c.min_groups_per_step or c.groups_per_step
-        sustain = r.gen_rate * self._step_time if r.gen_rate == r.gen_rate else math.inf
-        self._fetch = c.groups_per_step if b_min >= c.groups_per_step or \
-            sustain >= c.groups_per_step else max(b_min, int(sustain))
+        compute = max(out["step_time"] - out["twt"], 1e-6) / max(1, len(out["taken"]))
+        self._t_group = compute if self._t_group is None else 0.7 * self._t_group + 0.3 * compute
+        sustains = not r.gen_rate == r.gen_rate or r.gen_rate * self._t_group >= 1.0
+        self._fetch = c.groups_per_step if b_min >= c.groups_per_step or sustains else max(
+            b_min, min(c.groups_per_step, r.volume_next - c.groups_per_microbatch))
 
     # -- evaluation ------------------------------------------------------------------------------
     async def _evaluate(self, step: int, version: int) -> None:
