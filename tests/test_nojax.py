@@ -9,6 +9,7 @@ NO_JAX = [
     "tiderl.models", "tiderl.models.config", "tiderl.models.tokenizer",
     "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
     "tiderl.control.metrics", "tiderl.control.config", "tiderl.control.roles",
+    "tiderl.control.boundary",
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
