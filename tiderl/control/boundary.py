@@ -37,6 +37,9 @@ class ReadinessAware:
     _advice: Any
     _compiles_at: dict
 
+    def now(self) -> float:
+        raise NotImplementedError  # the controller's clock (Controller.now)
+
     def _compile_stats(self) -> dict:
         return dict(self.hooks.compile_stats()) if self.hooks.compile_stats else {}
 

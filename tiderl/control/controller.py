@@ -22,7 +22,8 @@ Readiness-aware control (arXiv 2608.10402, §5.2) sits at the boundary after eac
 before the weight sync: the buffer's signals (RAS, live TPRM, head-of-line latency against
 τ·T_step, deficits), the RA2P cost model's advice for the next step (`advise_mode` on predicted
 ready times) and its break-even RAS go to the planner (`tiderl.control.ers`); a plan that moves
-cells is carried out by `tiderl.control.roles.RoleSwitch` through `Hooks.apply_roles`. The
+cells is carried out by `tiderl.control.roles.RoleSwitch` through `Hooks.apply_roles`
+(`tiderl.control.boundary` holds that part of the controller). The
 trainer consumes an elastic batch in [B_min, B_ideal]: once it holds B_min it stops waiting
 when the wait would pass τ·T_step, and while rollout cannot sustain the trainer's consumption
 it fetches toward B_min and leaves a micro-batch ready for the next step (adaptive data
