@@ -29,11 +29,13 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -75,16 +77,23 @@ def job_overrides(steps: int) -> list[str]:
     ]
 
 
-async def one(overrides: list[str]) -> dict:
+async def one(overrides: list[str], keep: str | None = None) -> dict:
+    """Runs one job; its summary with its metrics records (and the compilations its steps
+    saw). `keep`: copy the run's metrics.jsonl to this path."""
     from tiderl.config import load_config
+    from tiderl.control.metrics import read_metrics
     from tiderl.job import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [*overrides, f"run_dir={tmp}"])
         s = await run_job(cfg)
-        from tiderl.control.metrics import read_metrics
-
         s["records"] = read_metrics(tmp)
+        if keep:
+            Path(keep).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(tmp) / "metrics.jsonl", keep)
+    steps = [r for r in s["records"] if r.get("kind") == "step"]
+    s["compiles"] = sum(r.get("compiles_step", 0) for r in steps)
+    s["compile_s"] = sum(r.get("compile_s_step", 0.0) for r in steps)
     return s
 
 
@@ -98,21 +107,24 @@ def throughput(args: argparse.Namespace) -> dict:
     names = list(jobs)
     t0 = time.time()
     for name in names:  # untimed warm-up: every contender compiles what it uses
-        asyncio.run(one([*job_overrides(args.warmup_steps), *jobs[name], "seed=99"]))
+        asyncio.run(one([*job_overrides(args.warmup_steps), *jobs[name], "seed=99"],
+                        keep=f"{args.out}/warmup/{name}.jsonl" if args.out else None))
         print(f"warm-up {name:22s} done ({time.time() - t0:.0f}s)", flush=True)
     results: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]  # rotated
         for name in order:
-            s = asyncio.run(one([*job_overrides(args.steps), *jobs[name], f"seed={rep}"]))
+            s = asyncio.run(one([*job_overrides(args.steps), *jobs[name], f"seed={rep}"],
+                                keep=f"{args.out}/rep{rep}/{name}.jsonl" if args.out else None))
             s["rwt_s"], s["twt_s"] = s.get("rwt_s", 0.0), s.get("twt_s", 0.0)
             results[name].append(s)
             print(f"rep {rep} {name:22s} goodput {s['goodput']:7.1f} tok/s  "
                   f"RWT {s['rwt_s']:6.1f}s  TWT {s['twt_s']:6.1f}s  wall {s['wall_s']:6.1f}s  "
-                  f"changes {s.get('role_changes', 0)}  "
+                  f"changes {s.get('role_changes', 0)}  compiles {s['compiles']} "
+                  f"({s['compile_s']:.1f}s)  "
                   f"eval {s.get('eval_success_last', float('nan')):.3f}", flush=True)
     keys = ("goodput", "gen_throughput", "kv_hit_rate", "rwt_s", "twt_s", "wall_s",
-            "role_changes", "eval_success_last")
+            "role_changes", "compiles", "eval_success_last")
     print(f"\n{'contender':22s}" + "".join(f"{k:>18s}" for k in keys) + f"{'goodput/sync':>14s}")
     g = {n: med(results[n], "goodput") for n in names}
     for n in names:
@@ -137,6 +149,7 @@ def throughput(args: argparse.Namespace) -> dict:
         **{f"rwt_plus_twt_{m}": med(results[n], "rwt_s") + med(results[n], "twt_s")
            for m, n in b.items()},
         "role_changes_per_run": med(results["tiderl-ers-on"], "role_changes"),
+        "compiles_in_timed_runs": {m: med(results[n], "compiles") for m, n in b.items()},
         "role_change_median_s": statistics.median([c.get("change_s", 0.0) for c in changes])
         if changes else None,
         "steps": args.steps, "repeats": args.repeats, "devices": DEVICES,
@@ -169,7 +182,9 @@ def learn(args: argparse.Namespace) -> dict:
     t0 = time.time()
     for seed in args.seeds:
         for mode in (("sync", "tiderl") if seed % 2 == 0 else ("tiderl", "sync")):
-            s = asyncio.run(one(learn_overrides(mode, args.updates, seed)))
+            s = asyncio.run(one(learn_overrides(mode, args.updates, seed),
+                                keep=f"{args.out}/learn/{mode}-{seed}.jsonl" if args.out
+                                else None))
             runs[mode][seed] = s
             print(f"seed {seed} {mode:6s} final held-out {s.get('eval_success_last'):.3f} "
                   f"(best {s.get('eval_success_best'):.3f})  wall {s['wall_s']:.0f}s  "
@@ -214,11 +229,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="4 steps, 1 repeat (smoke run)")
     p.add_argument("--learn", action="store_true", help="learning: sync vs tiderl (ERS on)")
     p.add_argument("--updates", type=int, default=400)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", help="keep every run's metrics.jsonl under this folder")
     args = p.parse_args()
     if args.quick:
         args.steps, args.repeats, args.warmup_steps = 4, 1, 2
