@@ -104,8 +104,12 @@ def test_ras_above_break_even_provisions_a_decoupled_ref():
     colocated = CellMap(("rollout", "rollout", "trainer"))
     sig = dict(uses_ref=True, ras_next=be, break_even_ras=be, ra2p_mode="decoupled",
                above_break_even=True, deficit_reason=f"RAS {be} ≥ break-even {be}")
-    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [sig, sig], colocated)
+    planner = ERSPlanner(ERSConfig(patience=2))
+    plans, cells = run(planner, [sig, sig], colocated)
     assert moves(plans) == [("rollout", "ref")] and plans[-1].ref_mode == "decoupled"
+    # With the Ref serving, the same backlog is no deficit: nothing else moves.
+    more = [planner.plan(Signals(**sig), cells) for _ in range(6)]
+    assert not [p for p in more if p.moves]
     # A backlog at the break-even alone is no reason to widen the trainer: without a Ref
     # forward to run (no KL term) nothing moves; with data waiting too, the trainer widens.
     nokl = {**sig, "uses_ref": False}

@@ -75,7 +75,7 @@ class ERSConfig:
     tau: float = 0.5
     """τ: head-of-line latency over τ·T_step is a consumption deficit, and a step that holds
     B_min stops waiting for more data once its wait would pass τ·T_step (elastic batch)."""
-    wait_frac: float = 0.15
+    wait_frac: float = 0.25
     """A step whose trainer waited (TWT), or whose rollout sat throttled (RWT), more than this
     share of the step time shows a generation (resp. consumption) deficit."""
     patience: int = 2
@@ -339,7 +339,10 @@ class ERSPlanner:
         if self._settle:
             self._settle, self._con, self._gen = False, 0, 0
         else:
-            con = s.consumption_deficit or s.above_break_even
+            # A backlog at the RA2P break-even asks for a Ref cell: it is no deficit once one
+            # serves (or with nothing for a Ref to compute).
+            con = s.consumption_deficit or (s.above_break_even and s.uses_ref
+                                            and not cells.count("ref"))
             self._con = self._con + 1 if con and not s.generation_deficit else 0
             self._gen = self._gen + 1 if s.generation_deficit and not con else 0
         if cells.count("ref") and not s.uses_ref:
