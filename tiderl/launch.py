@@ -65,12 +65,41 @@ def validate(cfg: RunConfig) -> None:
             f"config key 'model.tokenizer'={cfg.model.tokenizer!r} has {tok.vocab_size:,} tokens "
             f"but the model's embedding has model.vocab_size={cfg.model.vocab_size:,} rows; use "
             "the tokenizer the checkpoint was trained with (or raise model.vocab_size)")
+    check_env(cfg)
     if cfg.controller.system_prompt and not template.system_open:
         raise ConfigError(
             f"config key 'controller.system_prompt' is set, but the {template.name!r} turn "
             f"template of model.tokenizer={cfg.model.tokenizer!r} has no system role; set "
             "controller.system_prompt='' or use a tokenizer whose template has one (ChatML, "
             "Llama 3)")
+
+
+def check_env(cfg: RunConfig) -> None:
+    """The env side before any work: user code named by env.suite/env.reward/env.agent imports,
+    task files read, and env.url answers /health within seconds (one line naming it if not)."""
+    import asyncio
+
+    from tiderl.envs.client import env_url_error
+    from tiderl.envs.suites import adapter_class, load_object
+    from tiderl.envs.taskfile import check_chat_rows, read_rows
+
+    env = cfg.env
+    if env.kind == "env":
+        try:
+            adapter_class(env.suite_name)
+        except (ValueError, ModuleNotFoundError) as e:
+            raise ConfigError(f"config key 'env.suite'={env.suite!r}: {e}") from e
+    for key, spec in (("env.reward", env.reward), ("env.agent", env.agent)):
+        if spec and not callable(load_object(spec, key)):
+            raise ConfigError(f"config key '{key}'={spec!r} is not callable")
+    for key, path, split in (("env.tasks", env.tasks, "train"),
+                             ("env.eval_tasks", env.eval_tasks, "eval")):
+        if path:
+            rows = read_rows(path, key=key, split=split)
+            if env.kind == "single_turn":
+                check_chat_rows(rows, key, path)
+    if why := asyncio.run(env_url_error(env)):
+        raise ConfigError(why)
 
 
 def build(cfg: RunConfig):

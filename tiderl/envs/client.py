@@ -75,7 +75,10 @@ class EnvClient:
 
     async def start(self, task: dict[str, Any]) -> StartResult:
         """Opens a session for `task`."""
-        out = await self._call("POST", "/start", {"task": task, "request_id": _rid()})
+        body: dict[str, Any] = {"task": task, "request_id": _rid()}
+        if self.cfg.options:  # the job's suite options reach an external server too
+            body["options"] = self.cfg.option_dict()
+        out = await self._call("POST", "/start", body)
         if isinstance(out, _Failure):
             return StartResult(reason=out.reason, error=out.error)
         if not isinstance(out.get("session"), str):
@@ -184,3 +187,46 @@ def _retry_after(value: str | None) -> float:
         return max(0.0, float(value)) if value else 0.0
     except ValueError:
         return 0.0
+
+
+async def probe_health(url: str, cfg: EnvConfig | None = None, *, deadline_s: float = 5.0
+                       ) -> str | None:
+    """Asks `url`'s GET /health until it answers or `deadline_s` passes (a server still
+    starting gets that long). Returns None when it answered 200, else why not, in one line."""
+    cfg = cfg or EnvConfig()
+    headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    why = f"no reply within {deadline_s:g}s"
+    async with aiohttp.ClientSession(headers=headers) as http:
+        while (left := end - loop.time()) > 0:
+            timeout = aiohttp.ClientTimeout(total=left, sock_connect=min(left, 2.0))
+            try:
+                async with http.get(url.rstrip("/") + "/health", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return None
+                    text = (await resp.text())[:200]
+                    why = f"HTTP {resp.status} {text.strip()}"
+                    if resp.status in (401, 403):
+                        return why + " (set env.token to the server's token)"
+                    if resp.status == 404:
+                        return why + " (not a tiderl env server?)"
+            except TimeoutError:
+                why = f"no reply within {deadline_s:g}s"
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                why = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(min(0.25, max(0.0, end - loop.time())))
+    return " ".join(why.split())
+
+
+async def env_url_error(cfg: EnvConfig, *, deadline_s: float = 5.0) -> str | None:
+    """None when the run needs no env server or env.url's /health answers; else the one-line
+    error naming env.url (launch fails with it before any other work)."""
+    if not cfg.url or cfg.kind != "env":
+        return None
+    why = await probe_health(cfg.url, cfg, deadline_s=deadline_s)
+    if why is None:
+        return None
+    return (f"config key 'env.url'={cfg.url!r}: no env server answered GET {cfg.url.rstrip('/')}"
+            f"/health within {deadline_s:g}s ({why}); start one (python -m tiderl.envs serve "
+            "--port N) or fix env.url")
