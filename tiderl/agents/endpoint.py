@@ -70,7 +70,14 @@ class Session:
                                  "one request at a time per task (wait for the reply)",
                             code="request_in_flight")
         fut = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        previous = self.last
+
+        def settled(f: asyncio.Future) -> None:
+            # A refused request is not replayed: a retry of the last turn still is.
+            if (f.cancelled() or f.exception() is not None) and self.last == (key, f):
+                self.last = previous
+
+        fut.add_done_callback(settled)
         self.inflight, self.last = fut, (key, fut)
         self.queue.put_nowait((body, fut))
         return fut
