@@ -50,8 +50,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    check_env(cfg)  # first: it needs no JAX, so a wrong env.url fails within seconds
     from tiderl.envs.templates import template_for
-    from tiderl.models.policy import check_policy
+    from tiderl.models.policy import check_policy  # imports JAX (seconds)
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
@@ -65,7 +66,6 @@ def validate(cfg: RunConfig) -> None:
             f"config key 'model.tokenizer'={cfg.model.tokenizer!r} has {tok.vocab_size:,} tokens "
             f"but the model's embedding has model.vocab_size={cfg.model.vocab_size:,} rows; use "
             "the tokenizer the checkpoint was trained with (or raise model.vocab_size)")
-    check_env(cfg)
     if cfg.controller.system_prompt and not template.system_open:
         raise ConfigError(
             f"config key 'controller.system_prompt' is set, but the {template.name!r} turn "

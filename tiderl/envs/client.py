@@ -219,7 +219,7 @@ async def probe_health(url: str, cfg: EnvConfig | None = None, *, deadline_s: fl
     return " ".join(why.split())
 
 
-async def env_url_error(cfg: EnvConfig, *, deadline_s: float = 5.0) -> str | None:
+async def env_url_error(cfg: EnvConfig, *, deadline_s: float = 3.0) -> str | None:
     """None when the run needs no env server or env.url's /health answers; else the one-line
     error naming env.url (launch fails with it before any other work)."""
     if not cfg.url or cfg.kind != "env":
