@@ -24,7 +24,7 @@ def solve(task: dict[str, Any], base_url: str, api_key: str, *, max_steps: int =
                            {"role": "user", "content": task["question"]}]
     for _ in range(max_steps):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                               max_tokens=48)
+                                               max_tokens=128)
         message = reply.choices[0].message
         messages.append(message)
         if not message.tool_calls:
