@@ -345,3 +345,47 @@ def test_agent_failures_and_missing_rewards_fail_only_their_task(tok):
 
 def broken_reward(task, transcript):
     return 1 / 0
+
+
+def test_single_turn_rows_run_without_an_env_server(tok, tmp_path):
+    """env.tasks + env.reward and no env.suite/env.agent: each row's `prompt` (or `messages`)
+    is rendered with the chat template, one action is sampled, the reward function scores it."""
+    ours, hf = tok
+    template = template_for(ours)
+    stop = template.stop[0]
+    cfg = EnvConfig(tasks=str(tmp_path / "unused.jsonl"), reward="examples.calculator.reward:score")
+    assert cfg.kind == "single_turn"
+
+    async def go():
+        rank = RolloutRank(0, ScriptedEngine([ours.encode("It is 5.") + [stop]],
+                                             stop_tokens=tuple(template.stop_ids)))
+        await rank.start()
+        sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=4096,
+                               max_tasks_per_rank=64)
+        try:
+            async with episode_backend(cfg, template, max_action_tokens=16,
+                                       temperature=1.0) as (env, runner):
+                assert env is None
+                mgr = RolloutManager([rank], sched, None, template, max_turns=1, runner=runner)
+                base = {"group_id": "g", "split": "train", "suite": "single_turn"}
+                prompt = [{**base, "task_id": f"g/m{m}", "member": m, "answer": 5,
+                           "prompt": "What is 2 + 3?"} for m in range(2)]
+                chat = [{**base, "task_id": "h/m0", "group_id": "h", "member": 0, "answer": 4,
+                         "messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "What is 2 + 2?"}]}]
+                return (await mgr.run_group({"group_id": "g", "tasks": prompt}),
+                        await mgr.run_group({"group_id": "h", "tasks": chat}))
+        finally:
+            await rank.close()
+
+    prompt, chat = asyncio.run(go())
+    for t in prompt:
+        assert t.ok and t.end_reason == EndReason.done and t.reward == 1.0 and t.turns == 1
+    (c,) = chat
+    assert c.ok and c.reward == 0.1  # a number, the wrong one
+    want = hf.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "What is 2 + 2?"}],
+                                  tokenize=True, add_generation_prompt=True)
+    want = list(want if isinstance(want, list) else want["input_ids"])
+    assert c.tokens == want + ours.encode("It is 5.") + [stop]
+    assert c.loss_mask == [0] * len(want) + [1] * (len(c.tokens) - len(want))

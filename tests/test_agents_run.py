@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import threading
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-
 import test_envs_chat_templates as tct
 
 transformers = pytest.importorskip("transformers")
@@ -131,13 +129,13 @@ def _continue(base_url, api_key, messages):
 
 
 def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch):
+    import time
+
     from tiderl.agents.endpoint import AgentEndpoint
     from tiderl.config import load_config
     from tiderl.job import run_job
     from tiderl.serving.rollout import RolloutManager
     from tiderl.train.backend import TrainerBackend
-
-    import time
 
     t0 = time.monotonic()
     ckpt = tmp_path / "ckpt"

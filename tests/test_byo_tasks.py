@@ -33,18 +33,15 @@ def score_or_raise(task, transcript):
     return score(task, transcript)
 '''
 
-# 12 rows, 5 groups a step: the checkpoint of step 2 sits at position 10 (mid-epoch) and step 3
-# crosses into epoch 1, which grain shuffles anew. sync mode trains exactly the groups of its
-# own rollout, so the groups of each step are a function of the stream alone.
-RUN = ["cluster.fake_cpu_devices=8", "model.n_layers=1", "model.d_model=32", "model.mlp_dim=64",
-       "model.head_dim=8", "controller.mode=sync", "controller.groups_per_step=5",
-       "controller.eval_every=0", "controller.console=false", "controller.checkpoint_every=1",
-       "controller.min_ok_per_group=1", "controller.steps=3", "env.group_size=2",
-       "env.suite=examples.calculator.adapter:Calculator",
-       "env.tasks=examples/calculator/tasks.jsonl", "env.reward=byo_reward:score_or_raise",
-       "env.max_turns=2", "env.latency.dist=lognormal", "env.latency.median_s=0.1",
-       "rollout.max_action_tokens=8", "rollout.max_context=256", "trainer.row_len=256",
-       "trainer.zero_var_groups=keep"]
+# configs/calculator.yaml, as the README runs it: 12 rows, 5 groups a step, so the checkpoint
+# of step 2 sits at position 10 (mid-epoch) and step 3 crosses into epoch 1, which grain
+# shuffles anew. Its sync mode trains exactly the groups of its own rollout, so the groups of
+# each step are a function of the stream alone. Here the reward function is wrapped to raise
+# for one task, and env latency slows the rollout so the kill lands between steps 2 and 3.
+PRESET = ["--config", "configs/calculator.yaml"]
+EXTRA = ["env.reward=byo_reward:score_or_raise", "env.latency.dist=lognormal",
+         "env.latency.median_s=0.1"]
+IN_PROCESS = ["cluster.fake_cpu_devices=8"]  # pytest's JAX already has 8 CPU devices
 
 
 def steps(run: Path) -> list[dict]:
@@ -60,7 +57,8 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     killed = tmp_path / "killed"
     # Run A: killed (SIGKILL) once the checkpoint of step 2 is complete.
-    proc = subprocess.Popen([sys.executable, "-m", "tiderl.launch", *RUN, f"run_dir={killed}"],
+    proc = subprocess.Popen([sys.executable, "-m", "tiderl.launch", *PRESET, *EXTRA,
+                             f"run_dir={killed}"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 480
     while not (killed / "checkpoints" / "2" / "meta").is_dir():
@@ -78,23 +76,41 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
 
     whole = tmp_path / "whole"
     with caplog.at_level(logging.WARNING):
-        summary = asyncio.run(run_job(load_config(None, [*RUN, f"run_dir={whole}"])))
+        summary = asyncio.run(run_job(load_config(PRESET[1], [*EXTRA, *IN_PROCESS,
+                                                              f"run_dir={whole}"])))
     assert summary["ended"] == "completed 3 of 3 steps"
     # Then A resumed.
-    assert main(["--resume", str(killed)]) == 0
+    assert main(["--resume", str(killed), *IN_PROCESS]) == 0
 
     a, c = steps(killed), steps(whole)
     assert [r["step"] for r in a] == [1, 2, 3] == [r["step"] for r in c]
-    assert [r["group_ids"] for r in a] == [r["group_ids"] for r in c]
+    # The same groups each step (listed in the order they finished, which timing decides).
+    assert [sorted(r["group_ids"]) for r in a] == [sorted(r["group_ids"]) for r in c]
     ids = [g for r in c for g in r["group_ids"]]
-    assert sorted(ids[:12]) == sorted(f"train/e0/q{i}" for i in range(12))  # one epoch, shuffled
-    assert ids[:12] != [f"train/e0/q{i}" for i in range(12)]
-    assert ids[12:] and all(g.startswith("train/e1/") for g in ids[12:])
-    meta = json.loads(next((killed / "checkpoints" / "2" / "meta").rglob("*.json")
-                           ).read_text())
+    epoch0 = [g for g in ids if g.startswith("train/e0/")]
+    assert sorted(epoch0) == sorted(f"train/e0/q{i}" for i in range(12))  # one whole epoch
+    assert len(ids) == 15 and len([g for g in ids if g.startswith("train/e1/")]) == 3
+    # ... shuffled: the first two steps are not the file's first ten rows.
+    assert {g for r in c[:2] for g in r["group_ids"]} != {f"train/e0/q{i}" for i in range(10)}
+    meta = json.loads((killed / "checkpoints" / "2" / "meta" / "metadata").read_text())
     assert meta["data_state"]["next_index"] == 10 and meta["data_state"]["pending"] == []
     # q3's member 0 failed in its reward function; its group trained on the other member, and
     # every step trained all 5 groups.
     failed = [r["failed_tasks"].get("reward_error", 0) for r in c]
     assert sum(failed) >= 1 and all(r["groups"] == 5 for r in a + c)
     assert any("no verdict for q3/m0" in m for m in caplog.messages)
+
+
+def test_single_turn_task_file_with_a_reward_function(tmp_path, monkeypatch):
+    """The README's single-turn command: the same task file, no adapter (env.suite=), so each
+    row's `prompt` is one completion scored by the reward function; no env server runs."""
+    from tiderl.launch import main
+
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "rlvr"
+    assert main([*PRESET, "env.suite=", f"run_dir={run}", *IN_PROCESS]) == 0
+    recs = steps(run)
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(r["groups"] == 5 for r in recs)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rollout"]["end_reasons"].get("done", 0) >= 30
+    assert set(summary["rollout"]["end_reasons"]) <= {"done"}
