@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,9 +28,16 @@ pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
 CALL = {"name": "calc", "arguments": {"expression": "2 + 3"}}
 SYSTEM = "Use the calc tool, then answer."
-ROWS = [{"id": f"q{i}", "question": f"What is {a} + {b}?", "answer": a + b}
-        for i, (a, b) in enumerate([(2, 3), (4, 9), (7, 5), (12, 30), (8, 8), (3, 14), (21, 6),
-                                    (5, 17)])]
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = [json.loads(x) for x in (ROOT / "examples/calculator/tasks.jsonl").read_text().splitlines()]
+# The README's agent command; the test swaps in its tiny checkpoint, a wrapper of the same agent
+# (it also sends bad requests), 8 fake devices, and spies on the engine and the trainer.
+AGENT_RUN = ["--config", "configs/calculator.yaml", "env.suite=",
+             "env.agent=examples.calculator.agent:solve", "env.group_size=8",
+             "controller.groups_per_step=8", "controller.groups_per_microbatch=8",
+             "controller.checkpoint_every=0", "controller.steps=1", "rollout.max_slots=64",
+             "rollout.num_pages=2048", "rollout.max_action_tokens=96", "rollout.max_context=512",
+             "trainer.row_len=512"]
 
 
 def _ids(hf, messages, tools, gen):
@@ -72,8 +81,9 @@ def taught_checkpoint(folder):
         mask = [first <= i < call_end or i >= second for i in range(len(full))]
         seqs.append(full)
         masks.append(mask)
-    x = torch.tensor(seqs)
-    w = torch.tensor(masks, dtype=torch.float32)[:, 1:]
+    n = max(map(len, seqs))  # right-padded: causal attention never sees the padding
+    x = torch.tensor([q + [0] * (n - len(q)) for q in seqs])
+    w = torch.tensor([m + [False] * (n - len(m)) for m in masks], dtype=torch.float32)[:, 1:]
     opt = torch.optim.Adam(model.parameters(), lr=2e-2)
     for _ in range(300):
         lp = torch.log_softmax(model(x).logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
@@ -88,14 +98,15 @@ def taught_checkpoint(folder):
 
 
 BAD: dict = {}
+_FIRST = threading.Lock()
 
 
 def agent(task, base_url, api_key):
-    """examples.calculator.agent.solve as written; the first task also sends bad requests
-    first, each of which must get its 4xx without harming its task or the run."""
+    """examples.calculator.agent.solve as written; the first task to start sends bad requests
+    instead, each of which must get its 4xx without harming its task or the run."""
     from examples.calculator.agent import solve
 
-    if task["member"] == 0 and task["id"] == "q0":
+    if _FIRST.acquire(blocking=False):  # once per test run (never released)
         def post(url, raw):
             req = urllib.request.Request(url, data=raw, method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -108,7 +119,7 @@ def agent(task, base_url, api_key):
         user = {"role": "user", "content": task["question"]}
         chat = base_url + "/chat/completions"
         BAD["malformed"] = post(chat, b'{"messages": [')
-        BAD["unknown"] = post(base_url.replace("q0%2Fm0", "q0%2Fm99") + "/chat/completions",
+        BAD["unknown"] = post(base_url.replace("/v1", "%2Fnope/v1") + "/chat/completions",
                               json.dumps({"messages": [user]}).encode())
         status, first = post(chat, json.dumps({"messages": [user]}).encode())
         BAD["first"] = status
@@ -141,8 +152,6 @@ def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch
     ckpt = tmp_path / "ckpt"
     hf = taught_checkpoint(ckpt)
     print(f"taught the checkpoint in {time.monotonic() - t0:.1f}s")
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
 
     produced: dict[str, list[int]] = collections.defaultdict(list)
     real_turn = RolloutManager.agent_turn
@@ -187,18 +196,11 @@ def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch
                           (AgentEndpoint, "close", close_), (TrainerBackend, "submit", submit),
                           (Conversation, "reply", reply)]:
         monkeypatch.setattr(cls, name, fn)
-    cfg = load_config(None, [
-        "cluster.fake_cpu_devices=8", f"model.checkpoint={ckpt}", f"run_dir={tmp_path / 'run'}",
-        "env.agent=test_agents_run:agent", f"env.tasks={tasks}",
-        "env.reward=examples.calculator.reward:score", "env.group_size=8", "env.max_turns=4",
-        "controller.mode=sync", "controller.steps=1", "controller.groups_per_step=8",
-        "controller.groups_per_microbatch=8", "controller.eval_every=0",
-        "controller.checkpoint_every=0", "controller.console=false",
-        "rollout.max_slots=64", "rollout.decode_buckets=[64]", "rollout.prefill_buckets=[256]",
-        "rollout.prefill_batch=64", "rollout.num_pages=2048", "rollout.max_context=512",
-        "rollout.max_action_tokens=96", "rollout.temperature=1.0",
-        "trainer.row_len=512", "trainer.rows_per_rank=8", "trainer.kl_coef=0.0",
-        "trainer.zero_var_groups=keep", "trainer.lr=1e-5"])
+    monkeypatch.chdir(ROOT)
+    overrides = [o for o in AGENT_RUN[2:] if not o.startswith("env.agent=")]
+    cfg = load_config(AGENT_RUN[1], [*overrides, "env.agent=test_agents_run:agent",
+                                     f"model.checkpoint={ckpt}", f"run_dir={tmp_path / 'run'}",
+                                     "cluster.fake_cpu_devices=8"])
     t0 = time.monotonic()
     summary = asyncio.run(run_job(cfg))
     print(f"run: {time.monotonic() - t0:.1f}s (its own wall_s {summary['wall_s']:.1f}); "
