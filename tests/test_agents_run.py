@@ -111,7 +111,7 @@ def agent(task, base_url, api_key):
             req = urllib.request.Request(url, data=raw, method="POST",
                                          headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=60) as r:
+                with urllib.request.urlopen(req, timeout=600) as r:
                     return r.status, json.loads(r.read())
             except urllib.error.HTTPError as e:
                 return e.code, json.loads(e.read())

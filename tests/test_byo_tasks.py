@@ -114,3 +114,19 @@ def test_single_turn_task_file_with_a_reward_function(tmp_path, monkeypatch):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rollout"]["end_reasons"].get("done", 0) >= 30
     assert set(summary["rollout"]["end_reasons"]) <= {"done"}
+
+
+def test_env_epochs_end_the_run_when_the_stream_runs_out(tmp_path, monkeypatch):
+    """env.epochs=1 over 12 rows at 5 groups a step: steps of 5, 5 and the last 2 rows, then
+    the run ends saying why (not an error)."""
+    from tiderl.job import run_job
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(PRESET[1], ["env.suite=", "env.epochs=1", "controller.steps=5",
+                                  f"run_dir={tmp_path / 'epoch'}", *IN_PROCESS])
+    summary = asyncio.run(run_job(cfg))
+    recs = steps(tmp_path / "epoch")
+    assert [r["groups"] for r in recs] == [5, 5, 2]
+    assert summary["ended"] == "the task stream ended (env.epochs) after 3 of 5 steps"
+    assert sorted(g for r in recs for g in r["group_ids"]) == sorted(
+        f"train/e0/q{i}" for i in range(12))

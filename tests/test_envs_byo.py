@@ -40,7 +40,9 @@ def test_adapters_by_import_path_and_their_errors():
             adapter_class(spec)
         assert "env.suite" in str(e.value)
     for kw, key in [({"suite": "not a spec"}, "env.suite"), ({"reward": "noattr"}, "env.reward"),
-                    ({"agent": "m:f", "suite": CALC}, "env.agent"), ({"epochs": -1}, "env.epochs")]:
+                    ({"agent": "m:f", "suite": CALC}, "env.agent"), ({"epochs": -1}, "env.epochs"),
+                    ({"tasks": "t.jsonl"}, "needs a way to play"),
+                    ({"eval_tasks": "e.jsonl"}, "env.eval_tasks")]:
         with pytest.raises(ConfigError, match=key):
             EnvConfig(**kw)
     with pytest.raises(ConfigError, match="env.endpoint.token"):

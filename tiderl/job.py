@@ -14,15 +14,15 @@ from typing import Any
 
 import jax
 
+from tiderl.agents.runner import episode_backend
 from tiderl.config import RunConfig
+from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
 from tiderl.data import task_streams
-from tiderl.agents.runner import episode_backend
-from tiderl.configlib import ConfigError
-from tiderl.envs.client import env_url_error
+from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.serving.ctb import make_scheduler
@@ -119,7 +119,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     `overrides` it was resumed with to `resumes.jsonl`."""
     from tiderl.launch import build
 
-    if why := await env_url_error(cfg.env):  # before any device work: fail in seconds
+    if why := await asyncio.to_thread(env_url_error, cfg.env):  # before any device work
         raise ConfigError(why)
     run_dir = Path(cfg.run_dir)
     if not resume:

@@ -193,6 +193,13 @@ class EnvConfig:
             raise ConfigError("config key 'env.agent' is set together with env.suite/env.url: an "
                               "agent task runs against the agent endpoint, not an env server; "
                               "unset env.suite and env.url")
+        if self.tasks and not (self.suite or self.reward or self.agent):
+            raise ConfigError(f"config key 'env.tasks'={self.tasks!r} needs a way to play its "
+                              "rows: env.suite (your adapter, or a built-in suite), env.reward "
+                              "(single-turn rows with 'prompt' or 'messages') or env.agent")
+        if self.eval_tasks and not self.tasks:
+            raise ConfigError("config key 'env.eval_tasks' is set without env.tasks; set "
+                              "env.tasks (the train split) too")
         if self.epochs < 0:
             raise ConfigError(f"config key 'env.epochs' must be >= 0 (0: no limit), got "
                               f"{self.epochs}")
