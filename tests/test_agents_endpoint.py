@@ -67,23 +67,27 @@ def tok(tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def harness(tok, agent, script_texts, delay_s=0.0, **env):
+async def harness(tok, agent, script_texts, delay_s=0.0, ranks=1, capacity=1 << 16, **env):
     ours, _ = tok
     template = template_for(ours)
     stop = template.stop[0]
     script = [ours.encode(t) + [stop] for t in script_texts]
     cfg = EnvConfig(agent=f"test_agents_endpoint:{agent}", max_turns=4, **env)
-    rank = RolloutRank(0, ScriptedEngine(script, delay_s, stop_tokens=tuple(template.stop_ids)))
-    await rank.start()
-    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=4096,
+    rank_objs = [RolloutRank(i, ScriptedEngine(script, delay_s,
+                                               stop_tokens=tuple(template.stop_ids)))
+                 for i in range(ranks)]
+    for r in rank_objs:
+        await r.start()
+    sched = make_scheduler("ctb", CTBConfig(), [capacity] * ranks, max_context=4096,
                            max_tasks_per_rank=64)
     try:
         async with episode_backend(cfg, template, max_action_tokens=64,
                                    temperature=1.0) as (_, runner):
-            yield RolloutManager([rank], sched, None, template, max_turns=4, runner=runner), \
-                runner
+            yield RolloutManager(rank_objs, sched, None, template, max_turns=4,
+                                 runner=runner), runner
     finally:
-        await rank.close()
+        for r in rank_objs:
+            await r.close()
 
 
 def group(n=1, question="What is 2 + 3?", answer=5, gid="train/e0/q0"):
@@ -97,6 +101,30 @@ def calculator(task, base_url, api_key):
     from examples.calculator.agent import solve
 
     return solve(task, base_url, api_key)
+
+
+def slow_tools(task, base_url, api_key):
+    """The calculator agent whose tool takes a while: its task waits between its turns."""
+    import examples.calculator.agent as agent
+
+    real = agent.calculate
+
+    def calculate(expression):
+        time.sleep(0.3)
+        return real(expression)
+
+    client = openai.OpenAI(base_url=base_url, api_key=api_key)
+    messages = [{"role": "user", "content": task["question"]}]
+    for _ in range(3):
+        msg = client.chat.completions.create(model="x", messages=messages,
+                                             tools=agent.TOOLS).choices[0].message
+        messages.append(msg)
+        if not msg.tool_calls:
+            return None
+        for c in msg.tool_calls:
+            result = calculate(json.loads(c.function.arguments)["expression"])
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": f"{result:g}"})
+    return None
 
 
 RECORDED: dict = {}
@@ -176,6 +204,24 @@ def test_unmodified_openai_agent_with_a_tool_call(tok):
         ours.encode(ANSWER) + [hf.convert_tokens_to_ids("<|im_end|>")]
     assert len(t.logprobs) == len(t.versions) == len(t.tokens)
     assert all(v == 0 for v, m in zip(t.versions, t.loss_mask, strict=True) if m)
+
+
+def test_ctb_parks_agent_tasks_between_their_turns_on_a_tight_pool(tok):
+    """Two ranks whose KV budget holds about two of these tasks each, 12 agent sessions: CTB
+    admits what fits, pauses tasks while their agents run tools and resumes them; every
+    session completes with its full trajectory."""
+    async def go():
+        async with harness(tok, "slow_tools", [TOOL_CALL, ANSWER], delay_s=0.002, ranks=2,
+                           capacity=1600, reward="examples.calculator.reward:score") as (mgr, _):
+            trajs = await asyncio.gather(*(mgr.run_group(group(n=4, gid=f"train/e0/q{g}"))
+                                           for g in range(3)))
+            return [t for ts in trajs for t in ts], mgr.stats()
+
+    trajs, stats = asyncio.run(go())
+    assert len(trajs) == 12 and all(t.ok and t.reward == 1.0 and t.turns == 2 for t in trajs)
+    d = stats["decisions"]
+    assert d["admit"] == 12 and d["pause"] > 0 and d["resume"] > 0, d
+    assert len({tuple(t.tokens) for t in trajs}) == 1  # same script, same trajectory anywhere
 
 
 def test_replies_carry_logprobs_and_the_engines_token_ids(tok):
