@@ -231,6 +231,7 @@ def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch
             for s in set(seg[r].tolist()) - {0}:
                 sel = (seg[r] == s) & mask[r]
                 seen.append(tuple(tok[r][sel].tolist()))
+    print(f"max |behaviour - trainer logprob| = {worst:.2e} over {len(seen)} sequences")
     assert worst <= 1e-4, worst
     assert sorted(seen) == sorted(tuple(v) for v in produced.values()) and len(seen) == 64
     im_end = hf.convert_tokens_to_ids("<|im_end|>")
