@@ -12,6 +12,7 @@ NO_JAX = [
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",
+    "tiderl.envs.health",
     "tiderl.agents", "tiderl.agents.chat", "tiderl.agents.toolcalls", "tiderl.agents.conversation",
     "tiderl.agents.endpoint", "tiderl.agents.runner", "tiderl.sim.run",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",

@@ -165,6 +165,7 @@ class EpisodeRunner:
         tid = ep.task.task_id
         session = self.endpoint.open(tid)
         agent = self._start_agent(dict(ep.spec), self.endpoint.base_url(tid))
+        get: asyncio.Future | None = None
         try:
             while True:
                 get = asyncio.ensure_future(session.queue.get())
@@ -188,6 +189,8 @@ class EpisodeRunner:
             agent.cancel()
             raise
         finally:
+            if get is not None and not get.done():
+                get.cancel()
             self.endpoint.close(tid, "its episode ended")
         try:
             returned = agent.result()
