@@ -14,14 +14,15 @@ from typing import Any
 
 import jax
 
+from tiderl.agents.runner import episode_backend
 from tiderl.config import RunConfig
+from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.client import EnvClient
-from tiderl.envs.server import endpoint
-from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.data import task_streams
+from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.serving.ctb import make_scheduler
@@ -118,6 +119,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     `overrides` it was resumed with to `resumes.jsonl`."""
     from tiderl.launch import build
 
+    if why := await asyncio.to_thread(env_url_error, cfg.env):  # before any device work
+        raise ConfigError(why)
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
@@ -168,10 +171,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
 
         await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))
 
-    train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
-    train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
-    eval_src = TaskSource.from_config(cfg.env, "eval")
-    eval_groups = [eval_src.element(k) for k in range(eval_src.groups)]  # env.eval_groups
+    train_stream, eval_groups = task_streams(cfg.env, data_state)
 
     async def checkpoint(step: int, state: dict) -> None:
         # On the trainer's worker thread: the save's device→host copy (and a swap back from
@@ -193,11 +193,13 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     try:
         for r in ranks:
             await r.start()
-        async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
+        system = cfg.controller.system_prompt or None
+        async with episode_backend(cfg.env, template, max_action_tokens=rcfg.max_action_tokens,
+                                   temperature=rcfg.temperature, system=system) as (env, runner):
             manager = RolloutManager(ranks, sched, env, template,
-                                     max_turns=cfg.env.max_turns,
-                                     system=cfg.controller.system_prompt or None,
-                                     eval_temperature=cfg.controller.eval_temperature)
+                                     max_turns=cfg.env.max_turns, system=system,
+                                     eval_temperature=cfg.controller.eval_temperature,
+                                     runner=runner)
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
-from tiderl.control.controller import NonFiniteStop
-from tiderl.serving.rollout import RolloutFailedError
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -50,8 +48,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    check_env(cfg)  # first: it needs no JAX, so a wrong env.url fails within seconds
     from tiderl.envs.templates import template_for
-    from tiderl.models.policy import check_policy
+    from tiderl.models.policy import check_policy  # imports JAX (seconds)
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
@@ -71,6 +70,32 @@ def validate(cfg: RunConfig) -> None:
             f"template of model.tokenizer={cfg.model.tokenizer!r} has no system role; set "
             "controller.system_prompt='' or use a tokenizer whose template has one (ChatML, "
             "Llama 3)")
+
+
+def check_env(cfg: RunConfig) -> None:
+    """The env side before any work: user code named by env.suite/env.reward/env.agent imports,
+    task files read, and env.url answers /health within seconds (one line naming it if not)."""
+    from tiderl.envs.health import env_url_error
+    from tiderl.envs.suites import adapter_class, load_object
+    from tiderl.envs.taskfile import check_chat_rows, read_rows
+
+    env = cfg.env
+    if env.kind == "env":
+        try:
+            adapter_class(env.suite_name)
+        except (ValueError, ModuleNotFoundError) as e:
+            raise ConfigError(f"config key 'env.suite'={env.suite!r}: {e}") from e
+    for key, spec in (("env.reward", env.reward), ("env.agent", env.agent)):
+        if spec and not callable(load_object(spec, key)):
+            raise ConfigError(f"config key '{key}'={spec!r} is not callable")
+    for key, path, split in (("env.tasks", env.tasks, "train"),
+                             ("env.eval_tasks", env.eval_tasks, "eval")):
+        if path:
+            rows = read_rows(path, key=key, split=split)
+            if env.kind == "single_turn":
+                check_chat_rows(rows, key, path)
+    if why := env_url_error(env):
+        raise ConfigError(why)
 
 
 def build(cfg: RunConfig):
@@ -147,24 +172,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(plan.describe())
             print(describe_policy(cfg, params))
             return 0
-        import asyncio
-
-        from tiderl.job import run_job
-
-        setup_logging()
-        summary = asyncio.run(run_job(cfg, resume=bool(args.resume),
-                                      overrides=tuple(args.overrides)))
+        summary = _run(cfg, args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteStop, RolloutFailedError) as e:
-        print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
+    except _Stopped as e:
+        print(f"tiderl.launch: stopped: {e.__cause__}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("tiderl.launch: interrupted", file=sys.stderr)
         return 130
     print_report(cfg, summary)
     return 0
+
+
+class _Stopped(Exception):
+    """The run stopped itself (non-finite updates, no rollout rank left); the cause says why."""
+
+
+def _run(cfg: RunConfig, args: argparse.Namespace) -> dict:
+    # Imported here: the control plane and JAX load only once the config checked out.
+    import asyncio
+
+    from tiderl.control.controller import NonFiniteStop
+    from tiderl.job import run_job
+    from tiderl.serving.rollout import RolloutFailedError
+
+    setup_logging()
+    try:
+        return asyncio.run(run_job(cfg, resume=bool(args.resume),
+                                   overrides=tuple(args.overrides)))
+    except (NonFiniteStop, RolloutFailedError) as e:
+        raise _Stopped from e
 
 
 def setup_logging() -> None:

@@ -32,7 +32,6 @@ from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
 from tiderl.control.ers import KeepSplit, Planner, Roles
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.tasks import TaskStream
 from tiderl.serving.rollout import RolloutManager
 
 log = logging.getLogger(__name__)
@@ -50,8 +49,28 @@ class TrainerPort(Protocol):
     async def export_weights_async(self) -> Any: ...
 
 
+class TaskStreamPort(Protocol):
+    """The task stream the controller draws groups from (`tiderl.data.GrainTaskStream` in a
+    run; any JAX-free iterator of the same shape in the simulator)."""
+
+    position: int
+    """Index of the group the next `next()` returns."""
+
+    def __next__(self) -> dict: ...
+
+    def element(self, k: int) -> dict:
+        """The group at position k (regenerating groups in flight at a checkpoint)."""
+        ...
+
+    def get_state(self) -> dict: ...
+
+
 class _TimeUp(Exception):
     """The run's time limit passed while it waited for data."""
+
+
+class _StreamEnded(Exception):
+    """The task stream ran out (env.epochs) and everything it gave was trained or dropped."""
 
 
 class NonFiniteStop(RuntimeError):
@@ -72,7 +91,7 @@ class Hooks:
 
 class Controller:
     def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
-                 hooks: Hooks, train_stream: TaskStream,
+                 hooks: Hooks, train_stream: TaskStreamPort,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
                  planner: Planner | None = None, roles: Roles | None = None,
                  start_step: int = 0, pending: Sequence[int] = ()):
@@ -90,6 +109,7 @@ class Controller:
         self._step0 = start_step
         self.version = trainer.version
         self._regen = list(pending)
+        self._exhausted = False
         self.index_of: dict[str, int] = {}
         self.in_flight: set[str] = set()
         self.started_groups = 0
@@ -120,13 +140,13 @@ class Controller:
         """Regenerated groups first (resume), then the stream; each remembers its position."""
         if self._regen:
             k = self._regen.pop(0)
-            s = self.stream
-            g = s.source.element(s.shard_index + k * s.shard_count)
+            g = self.stream.element(k)
         else:
-            k = self.stream.next_index
+            k = self.stream.position
             try:
                 g = next(self.stream)
             except StopIteration:
+                self._exhausted = True
                 return None
         self.index_of[g["group_id"]] = k
         return g
@@ -288,6 +308,8 @@ class Controller:
         for mb in self.hooks.make_microbatches([], True):  # after an early end: the remainder
             self.trainer.submit(mb)
             submitted += 1
+        if not submitted and self._exhausted:
+            raise _StreamEnded
         if not submitted:
             raise RuntimeError("no trainable data: every group failed, was stale or had zero "
                                "reward variance; check the env server and controller settings")
@@ -339,7 +361,7 @@ class Controller:
         pending = sorted(self.index_of[g] for g in self.in_flight if g in self.index_of)
         pending += sorted(self.index_of[g.group_id] for g in self.buffer.ready
                           if g.group_id in self.index_of)
-        return {"next_index": self.stream.next_index,
+        return {"next_index": self.stream.position, "stream": self.stream.get_state(),
                 "pending": sorted(set(pending) | set(self._regen))}
 
     async def run(self) -> dict:
@@ -348,7 +370,8 @@ class Controller:
         self.last_eval = float("nan")
         if c.mode != "sync":
             self._producer = asyncio.create_task(self._produce(), name="producer")
-        if c.eval_every:
+        evaluating = bool(c.eval_every and self.eval_groups)
+        if evaluating:
             self._launch_eval()
         saved = self.step
         try:
@@ -371,6 +394,11 @@ class Controller:
                         f"{self.step} of {c.steps} steps while waiting for trainable data "
                         f"(groups dropped so far: {dict(self.buffer.dropped)})")
                     log.warning("%s", self.end_reason)
+                    break
+                except _StreamEnded:
+                    self.end_reason = (f"the task stream ended (env.epochs) after {self.step} of "
+                                       f"{c.steps} steps")
+                    log.info("%s", self.end_reason)
                     break
                 out["t_train"] = (self._t_train_start, self.now())
                 self.step += 1
@@ -398,7 +426,7 @@ class Controller:
                         f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
                         f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
                         "trainer.grad_clip, then resume with --resume")
-                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
+                if evaluating and self.step % c.eval_every == 0 and self.step < c.steps:
                     self._launch_eval()
             if not self.end_reason:
                 self.end_reason = f"completed {self.step} of {c.steps} steps"
@@ -413,7 +441,7 @@ class Controller:
             await self.hooks.checkpoint(self.step, self.data_state())
         # A final evaluation of the last weights, then let in-flight rollouts finish or go.
         await self._await_eval()
-        if c.eval_every:
+        if evaluating:
             await self._evaluate(self.step, self.version)
         for t in list(self._bg):
             t.cancel()

@@ -75,7 +75,10 @@ class EnvClient:
 
     async def start(self, task: dict[str, Any]) -> StartResult:
         """Opens a session for `task`."""
-        out = await self._call("POST", "/start", {"task": task, "request_id": _rid()})
+        body: dict[str, Any] = {"task": task, "request_id": _rid()}
+        if self.cfg.options:  # the job's suite options reach an external server too
+            body["options"] = self.cfg.option_dict()
+        out = await self._call("POST", "/start", body)
         if isinstance(out, _Failure):
             return StartResult(reason=out.reason, error=out.error)
         if not isinstance(out.get("session"), str):
@@ -184,3 +187,4 @@ def _retry_after(value: str | None) -> float:
         return max(0.0, float(value)) if value else 0.0
     except ValueError:
         return 0.0
+
