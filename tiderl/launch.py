@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
-from tiderl.control.controller import NonFiniteStop
+from tiderl.control.controller import NonFiniteStop, StarvedStop
+from tiderl.logs import setup_logging
 from tiderl.serving.rollout import RolloutFailedError
 
 EPILOG = """\
@@ -50,11 +51,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    from tiderl.control.sinks import check_loggers
     from tiderl.envs.templates import template_for
     from tiderl.models.policy import check_policy
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
+    check_loggers(cfg.controller.loggers)
     try:
         tok = load_tokenizer(cfg.model.tokenizer)
         template = template_for(tok, "auto")
@@ -126,6 +129,7 @@ def describe_policy(cfg: RunConfig, params) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         preset = args.config
         if args.resume:
@@ -151,13 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from tiderl.job import run_job
 
-        setup_logging()
         summary = asyncio.run(run_job(cfg, resume=bool(args.resume),
                                       overrides=tuple(args.overrides)))
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteStop, RolloutFailedError) as e:
+    except (NonFiniteStop, StarvedStop, RolloutFailedError) as e:
         print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
@@ -165,26 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print_report(cfg, summary)
     return 0
-
-
-def setup_logging() -> None:
-    """tiderl's own messages (info and up) and everyone's warnings go to the console, above the
-    progress line; JAX/orbax info chatter stays quiet."""
-    import logging
-
-    from rich.logging import RichHandler
-
-    root = logging.getLogger()
-    # A library's module-level logging.warning() may have installed a plain stderr handler
-    # (logging.basicConfig's); with it every message would print twice.
-    for h in list(root.handlers):
-        if type(h) is logging.StreamHandler:
-            root.removeHandler(h)
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        handler = RichHandler(show_path=False, log_time_format="[%X]")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    logging.getLogger("tiderl").setLevel(logging.INFO)
 
 
 def print_report(cfg: RunConfig, s: dict) -> None:

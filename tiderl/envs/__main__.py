@@ -48,6 +48,9 @@ async def serve(cfg: EnvConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiderl.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = parse(argv)
         # A bad suite option is a ConfigError from the server's startup, before it listens.
