@@ -74,14 +74,18 @@ def samples_markdown(samples: Sequence[Mapping[str, Any]], limit: int = 2000) ->
 class TensorBoardSink:
     def __init__(self, run_dir: Path):
         from tensorboardX import SummaryWriter
+        from tensorboardX.proto.summary_pb2 import Summary
 
         self.dir = run_dir / "tensorboard"
         self.writer = SummaryWriter(str(self.dir), flush_secs=10)
+        self._summary = Summary
 
     def log(self, record: Mapping[str, Any]) -> None:
-        step = int(record.get("step", 0))
-        for tag, value in scalars(record):
-            self.writer.add_scalar(tag, value, step)
+        # One event per record holding every scalar: `add_scalar` per tag queues one event
+        # each through a small bounded queue, and a record has ~60 numbers.
+        values = [self._summary.Value(tag=tag, simple_value=v) for tag, v in scalars(record)]
+        self.writer._get_file_writer().add_summary(self._summary(value=values),
+                                                   int(record.get("step", 0)))
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         self.writer.add_text("eval/samples", samples_markdown(samples), step)
