@@ -32,9 +32,9 @@ def simulate(cfg, monkeypatch, **kw):
     seen: list[dict] = []
 
     class Recording(MetricsSink):
-        def progress(self, snap):
+        def progress(self, snap, **kw):
             seen.append(snap)
-            super().progress(snap)
+            super().progress(snap, **kw)
 
     monkeypatch.setattr(sim, "MetricsSink", Recording)
     loop = looptime.new_event_loop(start=0.0)

@@ -34,6 +34,7 @@ from tiderl.control.ers import KeepSplit, Planner, Roles
 from tiderl.control.metrics import MetricsSink, trajectory_metrics
 from tiderl.control.progress import snapshot
 from tiderl.control.samples import SampleWriter
+from tiderl.control.starvation import Starvation, Starved
 from tiderl.envs.tasks import TaskStream
 from tiderl.serving.rollout import RolloutManager
 
@@ -58,10 +59,6 @@ class _TimeUp(Exception):
 
 class NonFiniteStop(RuntimeError):
     """Too many consecutive non-finite updates; the run stopped with a checkpoint."""
-
-
-class _Starved(Exception):
-    """A starvation hard limit passed while the trainer waited for data."""
 
 
 class StarvedStop(RuntimeError):
@@ -116,15 +113,9 @@ class Controller:
         self.nonfinite_total = 0
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()
-        self._starve_warn_at = 0  # when to say again that no group is trainable
-        self._starve_warn_s_at = 0.0  # the same, in seconds waited
-        self._starve_warned_t = -math.inf  # when the count warning last fired
+        self.starvation = Starvation(cfg, advice=advice)
+        """Warns when no group becomes trainable, and stops the run past the hard limits."""
         self.samples = samples
-        self.advice = advice
-        """Run-specific things to try, appended to the starvation warning and stop."""
-        self._last_trainable = 0.0  # when a group last became trainable
-        self._wait_t0 = 0.0  # when the trainer (or sync rollout) began waiting for groups
-        self._row_rewards: set[float] = set()  # mean rewards of the groups dropped in a row
         self._phase = "filling"
         self._taken_n = 0  # groups taken by the step being filled
         self._ticker: asyncio.Task[None] | None = None
@@ -176,11 +167,8 @@ class Controller:
             raise
         self.in_flight.discard(group["group_id"])
         self.generated_tokens += sum(t.action_token_count for t in trajs)
-        if self.buffer.add_group(trajs, now=self.now()) is not None:
-            self._last_trainable = self.now()
-            self._row_rewards.clear()
-        elif len(self._row_rewards) < 4 and (ok := [t.reward for t in trajs if t.ok]):
-            self._row_rewards.add(round(sum(ok) / len(ok), 2))
+        trainable = self.buffer.add_group(trajs, now=self.now()) is not None
+        self.starvation.group_ended(trajs, trainable, self.now())
         self._ready.set()
         self._changed.set()
 
@@ -213,7 +201,7 @@ class Controller:
         """`sync` mode's rollout phase: start groups until a step's worth is ready (groups that
         are dropped — failed, zero variance — are replaced), then stop; nothing trains
         meanwhile and nothing rolls out while training."""
-        self._wait_t0 = self.now()
+        self.starvation.begin_wait(self.now())
         while len(self.buffer) < self.cfg.groups_per_step:
             missing = self.cfg.groups_per_step - len(self.buffer) - len(self.in_flight)
             for _ in range(max(0, missing)):
@@ -240,7 +228,7 @@ class Controller:
         limit = self._t0 + self.cfg.time_limit_s - self.now() if self.cfg.time_limit_s else None
         if limit is not None and limit <= 0:
             raise _TimeUp
-        wake = self._starve_wake() if starving else None
+        wake = self.starvation.wake_in(self.now()) if starving else None
         timeout = min((x for x in (limit, wake) if x is not None), default=None)
         if timeout is None:
             await event.wait()
@@ -251,23 +239,10 @@ class Controller:
             if limit is not None and timeout >= limit:
                 raise _TimeUp from None
 
-    def starved_s(self) -> float:
-        """Seconds the trainer has waited with no group becoming trainable."""
-        return self.now() - max(self._wait_t0, self._last_trainable)
-
-    def _starve_wake(self) -> float | None:
-        """Seconds until the next wall-clock starvation threshold (warning or stop)."""
-        c = self.cfg
-        marks = [m for m in (c.max_starved_s, max(c.warn_starved_s, self._starve_warn_s_at))
-                 if m > 0]
-        if not marks:
-            return None
-        return max(0.0, min(marks) - self.starved_s()) + 1e-3
-
-    # -- training side ---------------------------------------------------------------------------
     async def _wait_ready(self, n: int) -> float:
         """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
-        t0 = self._wait_t0 = self.now()
+        t0 = self.now()
+        self.starvation.begin_wait(t0)
         while len(self.buffer) < n:
             if self._fatal is not None:
                 raise self._fatal
@@ -279,69 +254,13 @@ class Controller:
         return self.now() - t0
 
     def _warn_if_starved(self) -> None:
-        """Says so when groups keep ending but none becomes trainable (all rewards equal, or
-        too few tasks ok), or when the trainer has waited long with no trainable group at all:
-        such a run would otherwise wait in silence. Warns once
-        `controller.warn_dropped_in_a_row` groups in a row were dropped (or
-        `controller.warn_starved_s` seconds passed), then each time that count doubles (the
-        count warning starts over after ten minutes without one); past
-        `controller.max_dropped_in_a_row` (or `max_starved_s`) it stops the run."""
-        c = self.cfg
-        in_a_row = self.buffer.drops_in_a_row
-        waited = self.starved_s()
-        if c.max_dropped_in_a_row and in_a_row >= c.max_dropped_in_a_row:
-            raise _Starved(
-                f"{in_a_row} groups in a row could not be trained (controller."
-                f"max_dropped_in_a_row={c.max_dropped_in_a_row}; {self._dropped_words()})."
-                f"{self._try()}")
-        if c.max_starved_s and waited >= c.max_starved_s:
-            raise _Starved(
-                f"no group became trainable in {waited:.0f}s (controller.max_starved_s="
-                f"{c.max_starved_s:g}; {self._dropped_words()}; {len(self.in_flight)} groups "
-                f"still in flight).{self._try()}")
-        if self.now() - self._starve_warned_t >= 600:
-            # The doubling survives short recoveries (a mostly-starved run warns again only at
-            # twice the count), but not ten quiet minutes.
-            self._starve_warn_at = 0
-        if c.warn_dropped_in_a_row and in_a_row >= max(c.warn_dropped_in_a_row,
-                                                       self._starve_warn_at):
-            self._starve_warn_at = 2 * in_a_row
-            self._starve_warned_t = self.now()
-            self.metrics.progress(self.progress(), force=True)  # the state it warns about
-            log.warning(
-                "step %d: the last %d groups to end could not be trained (%s). zero_variance: "
-                "every reward in the group was equal, so GRPO has no signal; give the task a "
-                "graded reward (e.g. env.options=[format_bonus=0.1] for the default task) or "
-                "set trainer.zero_var_groups=keep. failed_tasks: fewer than "
-                "controller.min_ok_per_group tasks ended ok; see the env server's log.%s "
-                "controller.max_dropped_in_a_row stops the run after that many (now %s); "
-                "controller.time_limit_s bounds the wait.",
-                self.step, in_a_row, self._dropped_words(), self._try(),
-                c.max_dropped_in_a_row or "no limit")
-        if waited < c.warn_starved_s:
-            self._starve_warn_s_at = 0.0
-        if c.warn_starved_s and waited >= max(c.warn_starved_s, self._starve_warn_s_at):
-            self._starve_warn_s_at = 2 * waited
-            self.metrics.progress(self.progress(), force=True)
-            log.warning(
-                "step %d: the trainer has waited %.0fs and no group became trainable (%s; %d "
-                "groups in flight, %d episodes running). If none end, the env is slow or stuck "
-                "(see the env latency on the progress line); if they end dropped, see the "
-                "dropped reasons.%s controller.max_starved_s stops the run after that long "
-                "(now %s).", self.step, waited, self._dropped_words(), len(self.in_flight),
-                len(self.manager.episodes), self._try(), f"{c.max_starved_s:g}s"
-                if c.max_starved_s else "no limit")
-
-    def _dropped_words(self) -> str:
-        dropped = ", ".join(f"{v} {k}" for k, v in sorted(self.buffer.dropped.items()) if v)
-        out = f"dropped so far: {dropped or 'none'}"
-        if self._row_rewards:
-            scores = ", ".join(f"{r:.2f}" for r in sorted(self._row_rewards))
-            out += f"; mean reward of the groups dropped in a row: {scores}"
-        return out
-
-    def _try(self) -> str:
-        return f" Try: {self.advice}." if self.advice else ""
+        """Warns (or stops the run, raising `Starved`) when groups keep ending but none
+        becomes trainable, or the trainer waited long for one (`tiderl.control.starvation`)."""
+        self.starvation.check(
+            now=self.now(), step=self.step, in_a_row=self.buffer.drops_in_a_row,
+            dropped=self.buffer.dropped, in_flight=len(self.in_flight),
+            episodes=len(self.manager.episodes),
+            before_warning=lambda: self.metrics.progress(self.progress(), force=True))
 
     async def _train_step(self) -> dict:
         c = self.cfg
@@ -445,7 +364,7 @@ class Controller:
 
     async def run(self) -> dict:
         c = self.cfg
-        self._t0 = self._last_trainable = self.now()
+        self._t0 = self.starvation.last_trainable = self.now()
         self.last_eval = float("nan")
         self._ticker = asyncio.create_task(self._tick(), name="progress")
         stop: StarvedStop | None = None
@@ -476,7 +395,7 @@ class Controller:
                         f"(groups dropped so far: {dict(self.buffer.dropped)})")
                     log.warning("%s", self.end_reason)
                     break
-                except _Starved as e:
+                except Starved as e:
                     self.end_reason = f"stopped at step {self.step}: {e}"
                     stop = StarvedStop(f"{e} Stopped at step {self.step} with a checkpoint; "
                                        "change the config, then --resume")
@@ -557,7 +476,7 @@ class Controller:
         snap = snapshot(manager=self.manager, buffer=self.buffer, phase=self._phase,
                         needed=self.cfg.groups_per_step, taken=self._taken_n,
                         in_flight=len(self.in_flight))
-        return {"step": self.step + 1, "starved_s": self.starved_s(), **snap}
+        return {"step": self.step + 1, "starved_s": self.starvation.waited(self.now()), **snap}
 
     def _log_step(self, out: dict, sync_s: float) -> None:
         m, r = out["train"], out["readiness"]
