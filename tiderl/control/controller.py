@@ -117,8 +117,9 @@ class Controller:
         """Warns when no group becomes trainable, and stops the run past the hard limits."""
         self.samples = samples
         self._phase = "filling"
-        self._taken_n = 0  # groups taken by the step being filled
+        self._taken: list[ReadyGroup] = []  # groups taken by the step being filled
         self._ticker: asyncio.Task[None] | None = None
+        self._progress_broken = False
         self._eval_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -239,6 +240,7 @@ class Controller:
             if limit is not None and timeout >= limit:
                 raise _TimeUp from None
 
+    # -- training side ---------------------------------------------------------------------------
     async def _wait_ready(self, n: int) -> float:
         """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
         t0 = self.now()
@@ -260,7 +262,7 @@ class Controller:
             now=self.now(), step=self.step, in_a_row=self.buffer.drops_in_a_row,
             dropped=self.buffer.dropped, in_flight=len(self.in_flight),
             episodes=len(self.manager.episodes),
-            before_warning=lambda: self.metrics.progress(self.progress(), force=True))
+            before_warning=lambda: self._show_progress(force=True))
 
     async def _train_step(self) -> dict:
         c = self.cfg
@@ -294,7 +296,7 @@ class Controller:
                     break
                 continue
             taken += groups
-            self._taken_n = len(taken)
+            self._taken = taken
             seqs = [s for g in groups for s in g.seqs]
             final = len(taken) >= c.groups_per_step
             for mb in self.hooks.make_microbatches(seqs, final):
@@ -308,7 +310,7 @@ class Controller:
                                "reward variance; check the env server and controller settings")
         self._phase = "training"
         m = await self.trainer.finish_step_async()
-        self._taken_n = 0
+        self._taken = []
         r = self.buffer.end_step(r)
         step_time = self.now() - t_step
         self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
@@ -357,7 +359,8 @@ class Controller:
     def data_state(self) -> dict:
         """Task-stream position plus groups started but not yet trained (regenerated on resume)."""
         pending = sorted(self.index_of[g] for g in self.in_flight if g in self.index_of)
-        pending += sorted(self.index_of[g.group_id] for g in self.buffer.ready
+        # Ready groups, and those a step took but never trained (a run stopped mid-step).
+        pending += sorted(self.index_of[g.group_id] for g in [*self.buffer.ready, *self._taken]
                           if g.group_id in self.index_of)
         return {"next_index": self.stream.next_index,
                 "pending": sorted(set(pending) | set(self._regen))}
@@ -435,7 +438,7 @@ class Controller:
         finally:
             self._stop = True
             self._changed.set()
-            self.metrics.progress(self.progress(), force=True)  # where the rollout stood
+            self._show_progress(force=True)  # where the rollout stood as the run ends
             for task in (self._producer, self._ticker):
                 if task is not None:
                     task.cancel()
@@ -463,18 +466,25 @@ class Controller:
 
     async def _tick(self) -> None:
         """The live progress line (and gauges), once a second while the run goes."""
-        while True:
-            try:
-                self.metrics.progress(self.progress())
-            except Exception:  # a display bug must not stop training; say it once
-                log.exception("the progress line failed; it stays off for this run")
+        while True:  # a clock, not a wait for a condition
+            if not self._show_progress():
                 return
             await asyncio.sleep(1.0)
+
+    def _show_progress(self, *, force: bool = False) -> bool:
+        if self._progress_broken:
+            return False
+        try:
+            self.metrics.progress(self.progress(), force=force)
+        except Exception:  # a display bug must not stop training (or hide why it stopped)
+            log.exception("the progress line failed; it stays off for this run")
+            self._progress_broken = True
+        return not self._progress_broken
 
     def progress(self) -> dict[str, Any]:
         """What the rollout is doing now (`tiderl.control.progress.snapshot`)."""
         snap = snapshot(manager=self.manager, buffer=self.buffer, phase=self._phase,
-                        needed=self.cfg.groups_per_step, taken=self._taken_n,
+                        needed=self.cfg.groups_per_step, taken=len(self._taken),
                         in_flight=len(self.in_flight))
         return {"step": self.step + 1, "starved_s": self.starvation.waited(self.now()), **snap}
 
