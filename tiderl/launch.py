@@ -191,14 +191,18 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        *[(f"{label} (last step)", s["last"][key]) for label, key in (
+            ("policy loss", "pg_loss"), ("entropy", "entropy"),
+            ("response tokens", "response_len_mean"), ("turns per episode", "turns_mean"))
+          if key in s.get("last", {})],
     ]
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(t)
     if s.get("ended"):
         print(f"ended: {s['ended']}")
-    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
-          f"python -m tiderl.report {cfg.run_dir})")
+    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, samples/, "
+          f"plots/, report.md; python -m tiderl.report {cfg.run_dir})")
 
 
 if __name__ == "__main__":

@@ -99,16 +99,17 @@ def _training_plots(plt, steps: Sequence[dict], out: Path) -> list[Path]:
         paths.append(_save(fig, ax, out / "entropy.png", "step", "nats",
                            "Policy entropy (mean over action tokens)"))
     if _series(steps, "response_len_mean")[0]:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        _lines(a, steps, [("response_len_mean", "response (action) tokens, mean"),
-                          ("response_len_max", "response tokens, max"),
-                          ("traj_len_mean", "trajectory tokens, mean"),
-                          ("traj_len_max", "trajectory tokens, max")])
-        a.set_yscale("log")
-        _finish(a, "step", "tokens per trajectory", "Response and trajectory lengths")
-        _lines(b, steps, [("turns_mean", "turns, mean"), ("turns_max", "turns, max")])
-        paths.append(_save(fig, b, out / "lengths.png", "step", "turns per episode",
-                           "Turns per episode"))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        panels = [([("response_len_mean", "mean"), ("response_len_max", "max")],
+                   "action tokens per trajectory", "Response length (all turns)"),
+                  ([("traj_len_mean", "mean"), ("traj_len_max", "max")],
+                   "tokens per trajectory", "Trajectory length (prompt, observations, actions)"),
+                  ([("turns_mean", "mean"), ("turns_max", "max")], "actions per episode",
+                   "Turns per episode")]
+        for ax, (keys, ylabel, title) in zip(axes, panels, strict=True):
+            _lines(ax, steps, keys, ".-")
+            _finish(ax, "step", ylabel, title)
+        paths.append(_write(fig, out / "lengths.png"))
     if _series(steps, "grad_norm")[0]:
         fig, axes = plt.subplots(2, 2, figsize=(11, 7))
         panels = [([("grad_norm", "gradient norm (before clipping)")], "norm", "Gradient norm"),
@@ -134,14 +135,28 @@ def _timeline(plt, steps: Sequence[dict], out: Path) -> Path | None:
                              sharex=True)
     ax = axes[0]
     spans = [(r["t_train_start"], r["t_train_end"] - r["t_train_start"]) for r in steps]
-    ax.broken_barh(spans, (1.6, 0.8), color="C1", label="training a step")
+    ax.broken_barh(spans, (1.6, 0.8), color="C1", alpha=0.3,
+                   label="a step: waiting for its groups, then training")
+    # The trainer's own work (its phase times), drawn at the end of each step's span.
+    busy = [(r["t_train_end"] - b, b) for r in steps
+            if (b := sum(r.get(f"time_{k}", 0.0) or 0.0
+                         for k in ("ref", "actor_fwd", "actor_bwd", "swap", "apply"))) > 0]
+    if busy:
+        ax.broken_barh(busy, (1.6, 0.8), color="C1", label="trainer busy (Ref, Actor, apply)")
     if "t_rollout_start" in steps[0]:
         ax.broken_barh([(r["t_rollout_start"], r["t_rollout_end"] - r["t_rollout_start"])
                         for r in steps if "t_rollout_start" in r], (0.6, 0.8), color="C0",
                        label="rollout (sync mode)")
+    else:  # rollout runs throughout, idle only for RWT (its total per step, drawn at its end)
+        ax.broken_barh([(0.0, steps[-1]["t_train_end"])], (0.6, 0.8), color="C0", alpha=0.3,
+                       label="rollout running")
+        idle = [(r["t_train_end"] - r["rwt_s"], r["rwt_s"]) for r in steps if r.get("rwt_s")]
+        if idle:
+            ax.broken_barh(idle, (0.6, 0.8), color="0.4", label="rollout idle (RWT)")
     ax.set_yticks([1, 2], ["rollout", "trainer"])
+    ax.set_ylim(0.4, 3.5)  # room above the bars for the legend
     ax.set_title("Timeline")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper center", ncols=2, fontsize="small")
     ax.grid(alpha=0.3)
     ax = axes[1]
     t = [r["wall_s"] for r in steps]
@@ -155,11 +170,16 @@ def _timeline(plt, steps: Sequence[dict], out: Path) -> Path | None:
     _finish(ax, "" if roles else "wall time (s)", "cumulative seconds", "RWT and TWT")
     if roles:
         ax = axes[2]
-        for key, label in (("rollout_ranks", "rollout ranks"), ("trainer_ranks",
-                                                                "trainer ranks")):
+        top = 1
+        for key, label, style in (("rollout_ranks", "rollout ranks", "o-"),
+                                  ("trainer_ranks", "trainer ranks", "s--")):
             pts = [(r["wall_s"], r[key]) for r in steps if key in r]
-            ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=label)
-        _finish(ax, "wall time (s)", "count", "Roles")
+            ax.step([p[0] for p in pts], [p[1] for p in pts], style, where="post", label=label,
+                    markersize=3)
+            top = max([top, *(p[1] for p in pts)])
+        ax.set_ylim(0, top + 1)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        _finish(ax, "wall time (s)", "count", "Roles (rollout ranks vs trainer devices)")
     return _write(fig, out / "timeline.png")
 
 

@@ -32,6 +32,9 @@ GAUGES = ("goodput", "gen_throughput", "kv_hit_rate", "reward_mean", "eval_succe
           # training curves
           "loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac", "lr",
           "response_len_mean", "traj_len_mean", "turns_mean", "staleness_max")
+CURVES = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac", "lr",
+          "response_len_mean", "traj_len_mean", "turns_mean", "staleness_mean")
+"""The training curves the summary keeps from the last step (`summary["last"]`)."""
 LIVE_GAUGES = ("episodes_live", "episodes_done", "episodes_failed", "groups_ready",
                "groups_in_flight", "dropped_in_a_row", "kv_pages_in_use")
 """Refreshed every second from the rollout while a step fills (`MetricsSink.progress`)."""
@@ -243,6 +246,7 @@ class Summary:
             "dropped": last.get("dropped", {}),
             "failed_tasks": last.get("failed_tasks", {}),
             "nonfinite_skipped": last.get("nonfinite_skipped", 0),
+            "last": {k: last[k] for k in CURVES if k in last},
         }
         if self.evals:
             out["eval_success_first"], out["eval_success_last"], out["eval_success_best"] = \
