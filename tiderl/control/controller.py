@@ -261,7 +261,7 @@ class Controller:
         self.starvation.check(
             now=self.now(), step=self.step, in_a_row=self.buffer.drops_in_a_row,
             dropped=self.buffer.dropped, in_flight=len(self.in_flight),
-            episodes=len(self.manager.episodes),
+            episodes=len(self.manager.episodes), end_reasons=self.manager.end_reasons,
             before_warning=lambda: self._show_progress(force=True))
 
     async def _train_step(self) -> dict:

@@ -40,6 +40,7 @@ class Starvation:
         self._warn_at = 0
         self._warned_t = -math.inf
         self._warn_s_at = 0.0
+        self._ends: dict[str, int] = {}
 
     # -- what happened --------------------------------------------------------------------
     def group_ended(self, trajs: Any, trainable: bool, now: float) -> None:
@@ -67,11 +68,14 @@ class Starvation:
 
     # -- what to say ----------------------------------------------------------------------
     def check(self, *, now: float, step: int, in_a_row: int, dropped: Mapping[str, int],
-              in_flight: int, episodes: int, before_warning: Callable[[], None]) -> None:
+              in_flight: int, episodes: int, before_warning: Callable[[], None],
+              end_reasons: Mapping[str, int] | None = None) -> None:
         """Warns or raises `Starved` per the module docstring; `before_warning` runs first
-        (the controller logs the progress line the warning is about)."""
+        (the controller logs the progress line the warning is about). `end_reasons` (episodes
+        so far by how they ended) points at limits that cut every episode short."""
         c = self.cfg
         waited = self.waited(now)
+        self._ends = dict(end_reasons or {})
         if c.max_dropped_in_a_row and in_a_row >= c.max_dropped_in_a_row:
             raise Starved(
                 f"{in_a_row} groups in a row could not be trained (controller."
@@ -120,4 +124,16 @@ class Starvation:
         return out
 
     def _try(self) -> str:
-        return f" Try: {self.advice}." if self.advice else ""
+        tips = []
+        ends = self._ends
+        total = sum(ends.values())
+        if total and ends.get("context_limit", 0) > total / 2:
+            tips.append(f"{ends['context_limit']} of {total} episodes ended at the context "
+                        "limit: raise rollout.max_context (with trainer.row_len and "
+                        "model.max_seq_len)")
+        elif total and ends.get("turn_limit", 0) > total / 2:
+            tips.append(f"{ends['turn_limit']} of {total} episodes ran out of turns: raise "
+                        "env.max_turns")
+        if self.advice:
+            tips.append(self.advice)
+        return f" Try: {'; '.join(tips)}." if tips else ""
