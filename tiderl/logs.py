@@ -13,7 +13,20 @@ import sys
 
 
 class _PlainHandler(logging.StreamHandler):
-    """tiderl's handler when stderr is not a terminal (told apart from basicConfig's)."""
+    """tiderl's handler when stderr is not a terminal (told apart from basicConfig's). It
+    writes to whatever `sys.stderr` is at the time (as rich's console follows sys.stdout), so
+    a redirected or captured stderr gets the lines, never a stream closed since."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]  # an attribute in StreamHandler, a live view here
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler assigns it; the property wins
+        pass
 
 
 def console_is_terminal() -> bool:
@@ -37,7 +50,7 @@ def setup_logging() -> None:
             handler: logging.Handler = RichHandler(show_path=False, log_time_format="[%X]")
             handler.setFormatter(logging.Formatter("%(message)s"))
         else:
-            handler = _PlainHandler(sys.stderr)
+            handler = _PlainHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s",
                                                    datefmt="%H:%M:%S"))
         root.addHandler(handler)
