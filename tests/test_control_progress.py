@@ -78,13 +78,18 @@ def test_format_line_names_drops_latency_and_the_managers_task_keys():
             "dropped": {"zero_variance": 21, "stale": 0, "failed_tasks": 1},
             "env_latency_s": {"step": quantiles([0.01, 0.02, 0.03, 0.5])},
             "kv_pages_in_use": 37, "kv_pages_total": 100,
-            "tasks": {"executing": 8, "waiting": 32}}
+            "tasks": {"executing": 8, "waiting": 32}, "engine_busy": 0.73}
     line = format_line(snap)
     assert "40 running (8 eval), 312 done, 2 failed" in line
     assert "groups: 16/16 ready (+3 ahead), 9 in flight" in line
     assert "dropped: 1 failed_tasks, 21 zero_variance" in line and "stale" not in line
     assert "env step p50 0.02s p95 0.50s" in line and "KV 37%" in line
-    assert "tasks: 8 exec, 32 waiting" in line
+    assert "tasks: 8 exec, 32 waiting" in line and "engines busy 73%" in line
+    from tiderl.control.progress import engine_busy, task_states
+
+    stats = {"tasks_executing": 3, "tasks_waiting": 5, "engine_busy": [0.5, 1.0]}
+    assert task_states(None, stats) == {"executing": 3, "waiting": 5}
+    assert engine_busy(stats) == 0.75 and engine_busy({}) is None
     assert quantiles([]) != quantiles([])  # nan: no calls yet
 
 

@@ -13,8 +13,8 @@ The phase says what the trainer is doing: `filling` (waiting for the step's grou
 
 Episode counts are the manager's (`tasks_live`, `end_reasons`); tasks executing (in a
 prefill/decode) vs waiting (on their env, paused, or queued for admission) come from the
-manager's stats when it reports them (`tasks_executing`, `tasks_waiting`), else from the
-scheduler's task table.
+manager's stats when it reports them (`tasks_executing`, `tasks_waiting`, and the engines'
+`engine_busy`), else from the scheduler's task table.
 """
 
 from __future__ import annotations
@@ -90,7 +90,17 @@ def snapshot(*, manager: Any, buffer: Any, phase: str, needed: int, taken: int,
         "env_latency_s": env_latency(manager.env),
         "kv_pages_in_use": used, "kv_pages_total": total,
         "tasks": task_states(manager, stats),
+        "engine_busy": engine_busy(stats),
     }
+
+
+def engine_busy(stats: Mapping[str, Any]) -> float | None:
+    """The engines' busy fraction when the manager reports one (a number, or one per rank)."""
+    v = stats.get("engine_busy")
+    if isinstance(v, (list, tuple)):
+        v = [x for x in v if isinstance(x, (int, float))]
+        return sum(v) / len(v) if v else None
+    return float(v) if isinstance(v, (int, float)) else None
 
 
 def format_line(s: Mapping[str, Any]) -> str:
@@ -110,6 +120,8 @@ def format_line(s: Mapping[str, Any]) -> str:
         parts.append(f"env {kind} p50 {p50:.2f}s p95 {p95:.2f}s")
     used, total = s.get("kv_pages_in_use", 0), s.get("kv_pages_total", 0)
     parts.append(f"KV {100 * used / total:.0f}%" if total else f"KV {used} pages")
+    if (busy := s.get("engine_busy")) is not None:
+        parts.append(f"engines busy {100 * busy:.0f}%" if busy <= 1 else f"engines busy {busy:g}")
     tasks = s.get("tasks", {})
     if tasks:
         parts.append("tasks: " + ", ".join(f"{v} {k.replace('executing', 'exec')}"
