@@ -11,7 +11,8 @@ from dominating), in wall-clock seconds and in CPU seconds of the whole process 
 XLA's, the event loop, the sink thread). On a shared machine the wall clock mostly measures
 the neighbours; CPU time per step is what this process spent, so its ratio is the one to read.
 W&B's own service process (wandb-core) is a child of this one: its CPU seconds over a run are
-added to the process's, per step, when psutil is there to read them.
+added to the process's, per step, when psutil is there to read them (it is stopped after each
+run with the loggers on, so the other contender does not carry it).
 Besides the side-by-side ratios it times the metric code itself in both contenders, in CPU
 seconds of the thread running it — the controller's step record and live snapshot, the sink's
 JSONL/Prometheus write and console line, sample decoding, the learning-rate read, and the
@@ -122,6 +123,12 @@ async def one(name: str, steps: int, eval_every: int) -> dict:
         summary = await run_job(cfg)
         wall, children = time.perf_counter() - t0, children_cpu() - c0
         n = len([r for r in read_metrics(f"{tmp}/run") if r["kind"] == "step"])
+        if "wandb" in cfg.controller.loggers:
+            import wandb
+
+            # Stop W&B's service process, so its CPU counts for this contender only.
+            children = max(children, children_cpu() - c0)
+            wandb.teardown()
     assert n == len(CLOCKS) == summary["steps"], (n, len(CLOCKS))
     return {"clocks": list(CLOCKS), "spent": dict(SPENT), "run_s": wall, "steps": n,
             "children_cpu_s": children}
