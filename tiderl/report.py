@@ -120,6 +120,7 @@ def _training_plots(plt, steps: Sequence[dict], out: Path) -> list[Path]:
                    "Staleness of the trained groups")]
         for ax, (keys, ylabel, title) in zip(axes.flat, panels, strict=True):
             _lines(ax, steps, keys)
+            ax.ticklabel_format(axis="y", useOffset=False)  # a slow lr decay reads as values
             _finish(ax, "step", ylabel, title)
         paths.append(_write(fig, out / "optim.png"))
     return paths
