@@ -128,9 +128,7 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     if not resume:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     t0 = time.monotonic()
-    log.info("starting: JAX, the policy, the trainer, %d rollout engine(s), the env server",
-             cfg.rollout.ranks)
-    devices, plan, meshes, graphdef, params = build(cfg)
+    devices, plan, meshes, graphdef, params = build(cfg)  # bad device plans fail in here, first
     log.info("starting: %s × %d devices, policy built (%.1fs)", devices[0].platform,
              len(devices), time.monotonic() - t0)
     tok = load_tokenizer(cfg.model.tokenizer)
