@@ -16,11 +16,13 @@ import jax
 
 from tiderl.agents.runner import episode_backend
 from tiderl.config import RunConfig
-from tiderl.configlib import ConfigError
+from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
-from tiderl.control.controller import Controller, Hooks
+from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
+from tiderl.control.progress import starvation_advice
+from tiderl.control.samples import SampleWriter
 from tiderl.data import task_streams
 from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
@@ -127,7 +129,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    devices, plan, meshes, graphdef, params = build(cfg)
+    t0 = time.monotonic()
+    devices, plan, meshes, graphdef, params = build(cfg)  # bad device plans fail in here, first
+    log.info("starting: %s × %d devices, policy built (%.1fs)", devices[0].platform,
+             len(devices), time.monotonic() - t0)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
     rcfg = rollout_config_for(cfg, template)
@@ -157,6 +162,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                       version=trainer.version) for d in rank_devices]
     ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
              for i, e in enumerate(engines)]
+    log.info("starting: trainer and %d engine(s) ready (%.1fs); the first turns and the first "
+             "step compile", len(engines), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
     capacity = rcfg.num_pages * rcfg.page_size
     sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
@@ -186,9 +193,11 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,
                              zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
-    metrics = MetricsSink(run_dir, console=cfg.controller.console,
-                          prometheus_port=cfg.controller.prometheus_port,
-                          total_steps=cfg.controller.steps)
+    c = cfg.controller
+    metrics = MetricsSink(run_dir, console=c.console, prometheus_port=c.prometheus_port,
+                          total_steps=c.steps, loggers=c.loggers,
+                          progress_every_s=c.progress_every_s, wandb_project=c.wandb_project,
+                          wandb_mode=c.wandb_mode, run_config=to_dict(cfg))
     summary: dict = {}
     try:
         for r in ranks:
@@ -204,8 +213,18 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
                 buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
-                start_step=start_step, pending=data_state.get("pending", []))
-            summary = await controller.run()
+                start_step=start_step, pending=data_state.get("pending", []),
+                samples=SampleWriter(run_dir, tok.decode, c.eval_samples),
+                advice=starvation_advice(cfg))
+            try:
+                summary = await controller.run()
+            except (StarvedStop, NonFiniteStop) as e:
+                # Stopped on purpose: the folder still says why (summary.json) before launch
+                # prints the one-line reason.
+                summary = {"ended": str(e), **getattr(e, "summary", {})}
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2,
+                                                                 default=str))
+                raise
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
     finally:
         metrics.close()
@@ -216,7 +235,9 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         trainer.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if summary.get("steps"):
-        from tiderl.report import write_plots
+        from tiderl.report import write_plots, write_report
 
-        summary["plots"] = [str(p) for p in write_plots(run_dir)]
+        plots = write_plots(run_dir)
+        summary["plots"] = [str(p) for p in plots]
+        summary["report"] = str(write_report(run_dir, plots))
     return summary

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
+from tiderl.logs import setup_logging
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -49,11 +50,13 @@ def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
     check_env(cfg)  # first: it needs no JAX, so a wrong env.url fails within seconds
+    from tiderl.control.sinks import check_loggers
     from tiderl.envs.templates import template_for
     from tiderl.models.policy import check_policy  # imports JAX (seconds)
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
+    check_loggers(cfg.controller.loggers)
     try:
         tok = load_tokenizer(cfg.model.tokenizer)
         template = template_for(tok, "auto")
@@ -151,6 +154,7 @@ def describe_policy(cfg: RunConfig, params) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         preset = args.config
         if args.resume:
@@ -187,43 +191,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _Stopped(Exception):
-    """The run stopped itself (non-finite updates, no rollout rank left); the cause says why."""
+    """The run stopped itself (non-finite updates, starvation, no rollout rank left); the cause
+    says why."""
 
 
 def _run(cfg: RunConfig, args: argparse.Namespace) -> dict:
     # Imported here: the control plane and JAX load only once the config checked out.
     import asyncio
 
-    from tiderl.control.controller import NonFiniteStop
+    from tiderl.control.controller import NonFiniteStop, StarvedStop
     from tiderl.job import run_job
     from tiderl.serving.rollout import RolloutFailedError
 
-    setup_logging()
     try:
         return asyncio.run(run_job(cfg, resume=bool(args.resume),
                                    overrides=tuple(args.overrides)))
-    except (NonFiniteStop, RolloutFailedError) as e:
+    except (NonFiniteStop, StarvedStop, RolloutFailedError) as e:
         raise _Stopped from e
-
-
-def setup_logging() -> None:
-    """tiderl's own messages (info and up) and everyone's warnings go to the console, above the
-    progress line; JAX/orbax info chatter stays quiet."""
-    import logging
-
-    from rich.logging import RichHandler
-
-    root = logging.getLogger()
-    # A library's module-level logging.warning() may have installed a plain stderr handler
-    # (logging.basicConfig's); with it every message would print twice.
-    for h in list(root.handlers):
-        if type(h) is logging.StreamHandler:
-            root.removeHandler(h)
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        handler = RichHandler(show_path=False, log_time_format="[%X]")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    logging.getLogger("tiderl").setLevel(logging.INFO)
 
 
 def print_report(cfg: RunConfig, s: dict) -> None:
@@ -247,14 +231,18 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        *[(f"{label} (last step)", s["last"][key]) for label, key in (
+            ("policy loss", "pg_loss"), ("entropy", "entropy"),
+            ("response tokens", "response_len_mean"), ("turns per episode", "turns_mean"))
+          if key in s.get("last", {})],
     ]
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(t)
     if s.get("ended"):
         print(f"ended: {s['ended']}")
-    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
-          f"python -m tiderl.report {cfg.run_dir})")
+    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, samples/, "
+          f"plots/, report.md; python -m tiderl.report {cfg.run_dir})")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,9 @@ async def serve(cfg: EnvConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tiderl.logs import setup_logging
+
+    setup_logging()
     try:
         cfg = parse(argv)
         if ":" in cfg.suite:  # the user's class: import it now, so a bad name is one line

@@ -91,6 +91,10 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
 def main() -> int:
     import looptime  # the virtual clock: sleeps take no real time
 
+    from tiderl.logs import setup_logging
+
+    setup_logging()
+
     cfg = ControllerConfig(steps=5, groups_per_step=4, eval_every=2, console=False,
                            checkpoint_every=0, min_ok_per_group=1)
 
