@@ -36,9 +36,6 @@ class ClusterConfig:
     """GPU: the share of each GPU XLA's allocator reserves at start
     (XLA_PYTHON_CLIENT_MEM_FRACTION; an environment value wins). Weights, optimizer state,
     the engine's KV pool and activations all live inside it."""
-    compilation_cache_dir: str = ""
-    """Persistent XLA compilation cache (jax_compilation_cache_dir): a rerun of the same shapes
-    loads its executables instead of compiling; '' leaves it off."""
 
     def __post_init__(self):
         if self.fake_cpu_devices < 0:
@@ -131,9 +128,6 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
         jax.config.update("jax_platforms", env.jax_platforms)
     if env.num_cpu_devices:
         jax.config.update("jax_num_cpu_devices", env.num_cpu_devices)
-    if cfg.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir",
-                          os.path.expanduser(cfg.compilation_cache_dir))
     devices = list(jax.devices())
     check_platform(cfg.platform, devices[0].platform)
     return devices
