@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 NO_JAX = [
-    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster",
+    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster", "tiderl.platforms",
     "tiderl.models", "tiderl.models.config", "tiderl.models.tokenizer",
     "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
     "tiderl.control.metrics", "tiderl.control.config", "tiderl.control.progress",

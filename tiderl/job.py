@@ -31,6 +31,7 @@ from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
+from tiderl.serving.weights import serving_weights
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
@@ -157,23 +158,30 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
     rank_devices = [devices[r[0]] for r in plan.rollout]
-    weights = await trainer.export_weights_async()
+    # Engines serve the weights in the compute dtype (bf16 runs: half the bytes per decode
+    # step, same values; serving/weights.py).
+    weights = await asyncio.to_thread(serving_weights, await trainer.export_weights_async(),
+                                      cfg.model)
     engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
                       version=trainer.version) for d in rank_devices]
+    del weights
     ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
              for i, e in enumerate(engines)]
     log.info("starting: trainer and %d engine(s) ready (%.1fs); the first turns and the first "
              "step compile", len(engines), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-    capacity = rcfg.num_pages * rcfg.page_size
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
+    # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory).
+    capacities = [e.cfg.num_pages * e.cfg.page_size for e in engines]
+    sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     sched.cfg.check_group_size(cfg.env.group_size)
 
     async def sync_weights(exported: Any, version: int) -> None:
+        # The cast and the copies run off the event loop: env I/O keeps flowing during a sync.
+        served = await asyncio.to_thread(serving_weights, exported, cfg.model)
+
         async def one(rank: RolloutRank, device: Any) -> None:
-            # The copy runs off the event loop: env I/O keeps flowing during a sync.
-            await rank.update_weights(await asyncio.to_thread(jax.device_put, exported, device),
+            await rank.update_weights(await asyncio.to_thread(jax.device_put, served, device),
                                       version)
 
         await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))

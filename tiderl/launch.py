@@ -112,7 +112,7 @@ def build(cfg: RunConfig):
         # Validate the plan before JAX starts when the device count is known up front.
         cfg.device_plan(cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
-    plan = cfg.device_plan(len(devices))
+    plan = cfg.device_plan(len(devices), devices[0].platform)
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
     # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
@@ -171,8 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         validate(cfg)
         if args.plan:
+            import os
+
+            from tiderl.platforms import launch_env
+
+            c = cfg.cluster
+            settings = launch_env(c.platform, fake_cpu_devices=c.fake_cpu_devices,
+                                  memory_fraction=c.memory_fraction, environ=os.environ,
+                                  low_memory=cfg.trainer.remat).notes
             devices, plan, _meshes, _graphdef, params = build(cfg)
-            print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")
+            print(f"tiderl: {devices[0].platform} × {len(devices)} ({devices[0].device_kind}); "
+                  f"mode={cfg.controller.mode}")
+            for line in settings:
+                print(f"  {line}")
             print(plan.describe())
             print(describe_policy(cfg, params))
             return 0
