@@ -20,13 +20,14 @@ from tiderl.control.ers import (
     moves_between,
 )
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.envs.tasks import TaskSource
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import ByteTokenizer
 from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.sim.fakes import SimEngine, SimGuessEnv, SimTrainer
+from tiderl.sim.run import SeedStream
 from tiderl.train.dispatch import microbatches
 
 PER_CELL = 2  # rollout ranks per cell
@@ -106,7 +107,7 @@ async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=Fals
         hooks=Hooks(sync_weights=sync_weights, apply_roles=apply_roles,
                     make_microbatches=lambda seqs, final: microbatches(
                         seqs, n_ranks=1, row_len=128, rows_per_rank=8, final=True)[0]),
-        train_stream=TaskStream(TaskSource("default", "train", groups=1000, group_size=4)),
+        train_stream=SeedStream(TaskSource("default", "train", groups=1000, group_size=4)),
         eval_groups=[], metrics=metrics, buffer=buffer, planner=planner, cells=cells,
         ranks_per_cell=PER_CELL)
     summary = await controller.run()

@@ -110,18 +110,26 @@ class RunConfig:
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
 
-    def ers_enabled(self) -> tuple[bool, str]:
+    def ers_enabled(self, colocated: bool | None = None) -> tuple[bool, str]:
         """Whether elastic scaling runs, and why not when it does not. `controller.ers=on`
-        with roles that are not whole cells is a ConfigError; `auto` then just stays off."""
+        with roles that are not whole cells is a ConfigError; `auto` then just stays off.
+
+        `colocated`: whether the device plan shares devices between rollout and training (the
+        job knows it once the platform is; before that only `cluster.colocate_rollout=true`
+        does, and 'auto' is judged when the job resolves it)."""
         c = self.controller
         if c.ers == "off" or c.ers == "auto" and c.mode != "tiderl":
             return False, f"controller.ers={c.ers} (mode {c.mode})"
-        if self.cluster.colocate_rollout:
+        if colocated is None:
+            colocated = self.cluster.colocate_rollout is True
+        if colocated:
             if c.ers == "on":
                 raise ConfigError("config key 'controller.ers'='on' with "
-                                  "cluster.colocate_rollout=true: rollout and training share "
-                                  "every device, so there are no cells to move; set one off")
-            return False, "cluster.colocate_rollout=true"
+                                  "rollout and training sharing devices (cluster.colocate_rollout="
+                                  f"{self.cluster.colocate_rollout}): there are no cells to "
+                                  "move; set controller.ers=off or "
+                                  "cluster.colocate_rollout=false")
+            return False, f"cluster.colocate_rollout={self.cluster.colocate_rollout} (shared)"
         if self.trainer.mode != "auto":
             if c.ers == "on":
                 raise ConfigError(f"config key 'controller.ers'='on' needs trainer.mode='auto' "
@@ -138,15 +146,24 @@ class RunConfig:
             return False, str(e)
         return True, ""
 
-    def device_plan(self, n_devices: int) -> DevicePlan:
-        colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"
+    def device_plan(self, n_devices: int, platform: str = "cpu") -> DevicePlan:
+        """Roles on `n_devices` devices of `platform` (the one JAX started on): its defaults
+        (`cluster.colocate_rollout=auto`) and the remedy a plan that does not fit names."""
+        from tiderl.platforms import resolve_colocate
+
+        r, t = self.rollout, self.trainer
+        colocate = self.controller.mode == "sync" or resolve_colocate(
+            self.cluster.colocate_rollout, platform=platform, n_devices=n_devices,
+            separate_need=r.ranks * r.devices_per_rank + t.actor_devices + t.ref_devices,
+            colocated_need=max(r.ranks * r.devices_per_rank, t.actor_devices + t.ref_devices))
         return plan_devices(
             n_devices,
-            ranks=self.rollout.ranks,
-            devices_per_rank=self.rollout.devices_per_rank,
-            actor_devices=self.trainer.actor_devices,
-            ref_devices=self.trainer.ref_devices,
+            ranks=r.ranks,
+            devices_per_rank=r.devices_per_rank,
+            actor_devices=t.actor_devices,
+            ref_devices=t.ref_devices,
             colocate_rollout=colocate,
+            platform=platform,
         )
 
     def to_yaml(self) -> str:
@@ -167,7 +184,7 @@ BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaul
 # Model keys the run chooses; every other `model.*` key describes the network's shape, which a
 # checkpoint (`model.checkpoint`, `model.init_from`) defines.
 MODEL_RUN_KEYS = frozenset({"policy", "checkpoint", "init_from", "tokenizer", "param_dtype",
-                            "compute_dtype", "init_std"})
+                            "compute_dtype", "init_std", "attention_impl"})
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:

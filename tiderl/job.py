@@ -14,23 +14,26 @@ from typing import Any
 
 import jax
 
+from tiderl.agents.runner import episode_backend
 from tiderl.cluster import cell_layout
 from tiderl.config import RunConfig
-from tiderl.configlib import ConfigError
+from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
-from tiderl.control.controller import Controller, Hooks
+from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
 from tiderl.control.ers import initial_cells, make_planner
 from tiderl.control.metrics import MetricsSink
+from tiderl.control.progress import starvation_advice
+from tiderl.control.samples import SampleWriter
+from tiderl.data import task_streams
 from tiderl.elastic import CellRuntime, CompileWatch
-from tiderl.envs.client import EnvClient
-from tiderl.envs.server import endpoint
-from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
+from tiderl.serving.weights import serving_weights
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
@@ -123,13 +126,18 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     `overrides` it was resumed with to `resumes.jsonl`."""
     from tiderl.launch import build
 
+    if why := await asyncio.to_thread(env_url_error, cfg.env):  # before any device work
+        raise ConfigError(why)
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    devices, plan, meshes, graphdef, params = build(cfg)
+    t0 = time.monotonic()
+    devices, plan, meshes, graphdef, params = build(cfg)  # bad device plans fail in here, first
+    log.info("starting: %s × %d devices, policy built (%.1fs)", devices[0].platform,
+             len(devices), time.monotonic() - t0)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
     rcfg = rollout_config_for(cfg, template)
@@ -153,11 +161,14 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
+
     async def make_rank(rank_id: int, device: Any, weights: Any, version: int) -> RolloutRank:
-        # The weight copy and the engine's setup run off the event loop.
+        # The cast, the weight copy and the engine's setup run off the event loop. Engines
+        # serve the weights in the compute dtype (bf16 runs: half the bytes per decode step,
+        # same values; serving/weights.py).
         def build_engine() -> Engine:
-            return Engine(graphdef, jax.device_put(weights, device), cfg.model, rcfg,
-                          seed=cfg.seed, version=version)
+            served = jax.device_put(serving_weights(weights, cfg.model), device)
+            return Engine(graphdef, served, cfg.model, rcfg, seed=cfg.seed, version=version)
 
         rank = RolloutRank(rank_id, await asyncio.to_thread(build_engine),
                            max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
@@ -166,12 +177,14 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
 
     order = "decoupled" if trainer.mode == "decoupled" else "colocated"
     batcher = MicroBatcher(cfg, dp_size(meshes["actor"]), order)
-    ers_on, why_off = cfg.ers_enabled()
-    runtime = cells_for(cfg, plan, devices, trainer=trainer, batcher=batcher,
-                        make_rank=make_rank)
+    colocated = bool({d for r in plan.rollout for d in r} & set(plan.actor))
+    ers_on, why_off = cfg.ers_enabled(colocated=colocated)
+    runtime = None if colocated else cells_for(cfg, plan, devices, trainer=trainer,
+                                                batcher=batcher, make_rank=make_rank)
     if not ers_on:
         log.info("elastic scaling off: %s", why_off)
-    weights = await trainer.export_weights_async()
+    weights = await asyncio.to_thread(serving_weights, await trainer.export_weights_async(),
+                                      cfg.model)
     if runtime is not None:
         cells, per_cell = runtime.initial, runtime.layout.ranks_per_cell
         slots: list[RolloutRank | None] = [None] * (len(cells.roles) * per_cell)
@@ -182,10 +195,16 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         per_cell = 1
         slots = [await make_rank(i, devices[r[0]], weights, trainer.version)
                  for i, r in enumerate(plan.rollout)]
+    del weights
+    log.info("starting: trainer and %d engine(s) ready (%.1fs); the first turns and the first "
+             "step compile", sum(r is not None for r in slots), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-    capacity = rcfg.num_pages * rcfg.page_size
-    # One scheduler slot per rank any cell may serve; slots no rank serves yet are dead.
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(slots),
+    # One scheduler slot per rank any cell may serve; slots no rank serves yet are dead. Each
+    # engine's own pool (rollout.kv_memory_fraction sizes it from free device memory); a rank
+    # that joins later brings its own (RolloutManager.add_rank).
+    capacities = [r.engine.cfg.num_pages * r.engine.cfg.page_size if r is not None
+                  else rcfg.num_pages * rcfg.page_size for r in slots]
+    sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     for i, rank in enumerate(slots):
         if rank is None:
@@ -198,18 +217,17 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                 if r is not None and r.live and r.version != version]
 
         def put() -> list[Any]:
-            return [jax.device_put(exported, r.engine.device) for r in live]
+            served = serving_weights(exported, cfg.model)  # the compute dtype, as make_rank
+            return [jax.device_put(served, r.engine.device) for r in live]
 
-        # On the trainer's worker thread, one copy after another: all cross-device work is
-        # issued from one thread in one order (and off the event loop: env I/O keeps flowing).
+        # On the trainer's worker thread, one cast and copy after another: all cross-device
+        # work is issued from one thread in one order (and off the event loop: env I/O keeps
+        # flowing).
         copies = await asyncio.wrap_future(trainer.call(put))
         await asyncio.gather(*(r.update_weights(w, version)
                                for r, w in zip(live, copies, strict=True)))
 
-    train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
-    train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
-    eval_src = TaskSource.from_config(cfg.env, "eval")
-    eval_groups = [eval_src.element(k) for k in range(eval_src.groups)]  # env.eval_groups
+    train_stream, eval_groups = task_streams(cfg.env, data_state)
 
     async def checkpoint(step: int, state: dict) -> None:
         # On the trainer's worker thread: the save's device→host copy (and a swap back from
@@ -225,24 +243,38 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,
                              zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
-    metrics = MetricsSink(run_dir, console=cfg.controller.console,
-                          prometheus_port=cfg.controller.prometheus_port,
-                          total_steps=cfg.controller.steps)
+    c = cfg.controller
+    metrics = MetricsSink(run_dir, console=c.console, prometheus_port=c.prometheus_port,
+                          total_steps=c.steps, loggers=c.loggers,
+                          progress_every_s=c.progress_every_s, wandb_project=c.wandb_project,
+                          wandb_mode=c.wandb_mode, run_config=to_dict(cfg))
     summary: dict = {}
     try:
-        async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
+        system = cfg.controller.system_prompt or None
+        async with episode_backend(cfg.env, template, max_action_tokens=rcfg.max_action_tokens,
+                                   temperature=rcfg.temperature, system=system) as (env, runner):
             manager = RolloutManager(slots, sched, env, template,
-                                     max_turns=cfg.env.max_turns,
-                                     system=cfg.controller.system_prompt or None,
-                                     eval_temperature=cfg.controller.eval_temperature)
+                                     max_turns=cfg.env.max_turns, system=system,
+                                     eval_temperature=cfg.controller.eval_temperature,
+                                     runner=runner)
             slots.clear()  # the manager holds the ranks now: a drained one is freed
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
                 buffer=buffer, planner=planner, cells=cells, ranks_per_cell=per_cell,
                 ref_mode=trainer.mode, start_step=start_step,
-                pending=data_state.get("pending", []))
-            summary = await controller.run()
+                pending=data_state.get("pending", []),
+                samples=SampleWriter(run_dir, tok.decode, c.eval_samples),
+                advice=starvation_advice(cfg))
+            try:
+                summary = await controller.run()
+            except (StarvedStop, NonFiniteStop) as e:
+                # Stopped on purpose: the folder still says why (summary.json) before launch
+                # prints the one-line reason.
+                summary = {"ended": str(e), **getattr(e, "summary", {})}
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2,
+                                                                 default=str))
+                raise
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
     finally:
         metrics.close()
@@ -254,17 +286,20 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         trainer.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if summary.get("steps"):
-        from tiderl.report import write_plots
+        from tiderl.report import write_plots, write_report
 
-        summary["plots"] = [str(p) for p in write_plots(run_dir)]
+        plots = write_plots(run_dir)
+        summary["plots"] = [str(p) for p in plots]
+        summary["report"] = str(write_report(run_dir, plots))
     return summary
 
 
 def cells_for(cfg: RunConfig, plan: Any, devices: list, *, trainer: TrainerBackend,
               batcher: MicroBatcher, make_rank: Any) -> CellRuntime | None:
-    """The run's cells (None when rollout and training share devices, or the roles are not
-    whole cells: then nothing can move and the RA2P mode stays fixed)."""
-    if cfg.cluster.colocate_rollout or cfg.controller.mode == "sync":
+    """The run's cells (None in sync mode, or when the roles are not whole cells: then
+    nothing can move and the RA2P mode stays fixed). The caller has ruled out a plan whose
+    rollout and training share devices."""
+    if cfg.controller.mode == "sync":
         return None
     t = cfg.trainer
     try:

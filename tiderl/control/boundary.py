@@ -26,6 +26,7 @@ class ReadinessAware:
     trainer: Any
     manager: Any
     planner: Any
+    eval_groups: Any
     roles: Any
     hooks: Any
     step: int
@@ -67,7 +68,8 @@ class ReadinessAware:
         advise = getattr(self.trainer, "advise_mode", None)
         self._advice = advise(predicted_ready_times(n_mb, r.ras_next, tprm), m_actor) \
             if advise is not None else None
-        return self._to_signals(r, eval_next=bool(c.eval_every and self.step % c.eval_every == 0
+        return self._to_signals(r, eval_next=bool(c.eval_every and self.eval_groups
+                                                  and self.step % c.eval_every == 0
                                                   and self.step < c.steps))
 
     def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False) -> Signals:
@@ -91,7 +93,8 @@ class ReadinessAware:
     async def _cold_start(self) -> None:
         """Before any rollout: the planner may allocate rollout preemptively (empty buffer)."""
         c = self.cfg
-        sig = self._to_signals(Readiness(), eval_next=bool(c.eval_every), cold_start=True)
+        sig = self._to_signals(Readiness(), eval_next=bool(c.eval_every and self.eval_groups),
+                               cold_start=True)
         plan = self.planner.plan(sig, self.roles.cells)
         if self.roles.differs(plan):
             weights = await self.trainer.export_weights_async()

@@ -216,11 +216,14 @@ class TaskTable:
                 moved.append(t.task_id)
         return moved
 
-    def add_rank(self, rank: int) -> None:
-        """Revives rank slot `rank` (ERS gave its cell back to rollout; it starts empty)."""
+    def add_rank(self, rank: int, capacity: int | None = None) -> None:
+        """Revives rank slot `rank` (ERS gave its cell back to rollout; it starts empty), with
+        the KV `capacity` (tokens) of the engine that now serves it when given."""
         if not 0 <= rank < len(self.capacity):
             raise ValueError(f"rank {rank} has no slot (the scheduler has "
                              f"{len(self.capacity)}); size it for every rank a cell can serve")
+        if capacity is not None:
+            self.capacity[rank] = int(capacity)
         if rank in self.dead:
             self.dead.discard(rank)
             self._dirty[rank] = True
