@@ -194,3 +194,39 @@ def test_buffer_signals_ras_tprm_hol_and_deficits():
     assert r2.generation_deficit and not r2.consumption_deficit
     assert "0 of B_ideal=8 groups ready" in r2.deficit_reason
     assert r2.gen_rate > 0 and math.isfinite(r2.gen_rate)
+
+
+def test_the_planner_api_from_buffer_readiness_to_a_move():
+    """The documented call a simulator makes: the buffer's boundary readiness →
+    `Signals.from_readiness` → `ERSPlanner.plan` → the next step's cells."""
+    buf = ReadinessBuffer(groups_per_microbatch=1, max_staleness=1, min_ok_per_group=1)
+    planner, cells = ERSPlanner(ERSConfig(patience=2)), CellMap(("rollout",) * 3 + ("trainer",))
+    plan = planner.plan(Signals(step=0, cold_start=True), cells)
+    assert plan.moves == () and plan.cells == cells  # the trainer's one cell cannot leave
+    plans = []
+    for step in range(1, 5):  # the trainer waits most of each step and nothing is ready
+        t = 10.0 * step
+        r = buf.boundary(buf.end_step(buf.begin_step(t), []), t + 8.0, step_time=8.0,
+                         step_time_mean=8.0, twt=7.0, rwt=0.0, batch_ideal=4, tau=0.5,
+                         wait_frac=0.25, break_even_ras=2, uses_ref=False)
+        plan = planner.plan(Signals.from_readiness(r, step=step, uses_ref=False), cells)
+        plans.append(plan)
+        cells = plan.cells
+    # A generation deficit, but the trainer's last cell is bounded: nothing moves.
+    assert all(not p.moves for p in plans) and cells.count("trainer") == 1
+    # Data piling up while the trainer is busy: a rollout cell joins the trainer.
+    for k in range(6):
+        buf.add_group(_group(f"c{k}"), now=50.0 + k)
+    for step in range(5, 9):
+        t = 10.0 * step
+        r = buf.boundary(buf.end_step(buf.begin_step(t), []), t + 8.0, step_time=8.0,
+                         step_time_mean=8.0, twt=0.0, rwt=0.0, batch_ideal=4, tau=0.5,
+                         wait_frac=0.25, break_even_ras=99, uses_ref=False)
+        assert r.consumption_deficit
+        plan = planner.plan(Signals.from_readiness(r, step=step, uses_ref=False), cells)
+        if plan.moves:
+            break
+        cells = plan.cells
+    assert [(m.src, m.dst) for m in plan.moves] == [("rollout", "trainer")]
+    assert plan.rule == "consumption" and "head-of-line" in plan.reason
+    assert plan.cells.count("trainer") == 2 and plan.ref_mode == "colocated"

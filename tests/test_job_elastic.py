@@ -59,3 +59,23 @@ def test_ers_on_with_roles_that_cannot_move_is_a_config_error(extra, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [*TINY, "controller.ers=on", *extra])
     load_config(None, [*TINY, "controller.ers=auto", *extra])  # auto just stays off
+
+
+def test_compile_cache_respects_the_environment_and_is_off_with_several_processes(tmp_path):
+    from tiderl.cluster import ClusterConfig, compile_cache_dir
+
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    run = str(tmp_path / "run")
+    auto, off = ClusterConfig(compile_cache="auto"), ClusterConfig(compile_cache="off")
+    assert compile_cache_dir(auto, run, environ=env) == str(tmp_path / "xdg/tiderl/jax")
+    assert compile_cache_dir(ClusterConfig(compile_cache="run"), run,
+                             environ=env) == f"{run}/compile_cache"
+    # A harness's JAX_COMPILATION_CACHE_DIR wins over every setting but 'off'.
+    mine = {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "suite")}
+    for setting in ("auto", "run", str(tmp_path / "elsewhere")):
+        assert compile_cache_dir(ClusterConfig(compile_cache=setting), run,
+                                 environ=mine) == str(tmp_path / "suite")
+    assert compile_cache_dir(off, run, environ=mine) is None
+    # Several processes (asked for or found): off, whatever the setting or the environment.
+    assert compile_cache_dir(auto, run, processes=2, environ=mine) is None
+    assert compile_cache_dir(auto, run, processes=1, environ=env) is not None

@@ -74,14 +74,10 @@ class ReadinessAware:
 
     def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False) -> Signals:
         a = self._advice
-        return Signals(step=self.step, cold_start=cold_start, eval_next=eval_next,
-                       uses_ref=self._uses_ref(), ras_next=r.ras_next,
-                       break_even_ras=r.break_even_ras,
-                       ra2p_mode=a.mode if a is not None else self.roles.ref_mode,
-                       generation_deficit=r.generation_deficit,
-                       consumption_deficit=r.consumption_deficit,
-                       above_break_even=r.above_break_even,
-                       deficit_reason=r.deficit_reason, pinned=self._pinned())
+        return Signals.from_readiness(
+            r, step=self.step, cold_start=cold_start, eval_next=eval_next,
+            uses_ref=self._uses_ref(),
+            ra2p_mode=a.mode if a is not None else self.roles.ref_mode, pinned=self._pinned())
 
     def _pinned(self) -> frozenset[int]:
         """Cells whose rollout rank failed: never moved (their device is suspect)."""

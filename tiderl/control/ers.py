@@ -35,6 +35,23 @@ Interface (what a simulator implements to reuse the planner and the controller u
 - The planner sees only `Signals` and the `CellMap`; it keeps its own hysteresis state and is
   deterministic, so a replayed trace gives the same plans.
 
+Calling the planner directly (a simulator that runs its own loop): one planner object per run
+(it holds the hysteresis), one call per sync boundary, JAX-free:
+
+    from tiderl.control.ers import CellMap, ERSConfig, ERSPlanner, Signals
+    planner = ERSPlanner(ERSConfig(patience=2, cooldown=3))          # controller.elastic
+    cells = CellMap(("rollout", "rollout", "trainer", "ref"))       # cell id = index
+    plan = planner.plan(Signals(step=0, cold_start=True), cells)    # before any rollout
+    ...                                                             # after each update:
+    plan = planner.plan(Signals.from_readiness(r, step=k, eval_next=False), cells)
+    cells = plan.cells       # the roles for the next step; plan.moves: at most one Move
+                             # (cell, src, dst), except the cold-start plan; plan.rule,
+                             # plan.reason: why; plan.ref_mode: "decoupled" iff a ref cell
+
+`r` is the `tiderl.control.buffer.Readiness` that `ReadinessBuffer.boundary(...)` returns (or
+any object with its deficit fields); `Signals(...)` can also be filled by hand. A plan whose
+`cells` equal the input (`plan.moves == ()`) changes nothing.
+
 Rules of `ERSPlanner` (each plan carries its reason; at most one cell moves per boundary, except
 the cold-start plan made before any rollout has run):
 
@@ -217,6 +234,24 @@ class Signals:
     deficit_reason: str = ""
     pinned: frozenset[int] = frozenset()
     """Cells never moved (e.g. a rollout rank there failed)."""
+
+
+    @classmethod
+    def from_readiness(cls, r: Any, *, step: int, eval_next: bool = False,
+                       cold_start: bool = False, uses_ref: bool = True,
+                       ra2p_mode: str | None = None,
+                       pinned: frozenset[int] = frozenset()) -> Signals:
+        """The planner's view of a boundary's `Readiness` (`ReadinessBuffer.boundary`), plus
+        the run's state the buffer does not know. `ra2p_mode`: the cost model's advice (None:
+        decoupled when RAS is at or above the break-even, else colocated)."""
+        if ra2p_mode is None:
+            ra2p_mode = "decoupled" if r.above_break_even else "colocated"
+        return cls(step=step, cold_start=cold_start, eval_next=eval_next, uses_ref=uses_ref,
+                   ras_next=r.ras_next, break_even_ras=r.break_even_ras, ra2p_mode=ra2p_mode,
+                   generation_deficit=r.generation_deficit,
+                   consumption_deficit=r.consumption_deficit,
+                   above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
+                   pinned=pinned)
 
 
 class Planner(Protocol):
