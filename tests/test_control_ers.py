@@ -230,3 +230,15 @@ def test_the_planner_api_from_buffer_readiness_to_a_move():
     assert [(m.src, m.dst) for m in plan.moves] == [("rollout", "trainer")]
     assert plan.rule == "consumption" and "head-of-line" in plan.reason
     assert plan.cells.count("trainer") == 2 and plan.ref_mode == "colocated"
+
+
+def test_rollout_throttling_is_a_share_of_the_time_since_the_last_boundary():
+    """RWT accrues over the weight sync too: 4 s throttled over a 20 s interval (a 2 s step
+    after an 18 s sync) is 20%, below wait_frac; over the step alone it would read 200%."""
+    buf = ReadinessBuffer(groups_per_microbatch=1, max_staleness=1, min_ok_per_group=1)
+    kw = dict(step_time=2.0, step_time_mean=2.0, twt=0.0, rwt=4.0, batch_ideal=4, tau=10.0,
+              wait_frac=0.25, break_even_ras=9, uses_ref=True)
+    r = buf.boundary(buf.end_step(buf.begin_step(0.0), []), 2.0, rwt_span=20.0, **kw)
+    assert r.rwt_frac == pytest.approx(0.2) and not r.consumption_deficit
+    r = buf.boundary(buf.end_step(buf.begin_step(2.0), []), 4.0, rwt_span=8.0, **kw)
+    assert r.consumption_deficit and "rollout throttled 4.00s = 50%" in r.deficit_reason

@@ -37,6 +37,8 @@ class ReadinessAware:
     _t_group: float | None
     _advice: Any
     _compiles_at: dict
+    _t_boundary: float | None = None
+    """When the last boundary ended (RWT accrues from there)."""
 
     def now(self) -> float:
         raise NotImplementedError  # the controller's clock (Controller.now)
@@ -64,7 +66,8 @@ class ReadinessAware:
             out["readiness"], self.now(), step_time=out["step_time"],
             step_time_mean=self._step_time, twt=out["twt"], rwt=self.rwt,
             batch_ideal=c.groups_per_step, tau=e.tau, wait_frac=e.wait_frac,
-            break_even_ras=be, uses_ref=self._uses_ref())
+            break_even_ras=be, uses_ref=self._uses_ref(),
+            rwt_span=self.now() - self._t_boundary if self._t_boundary is not None else None)
         advise = getattr(self.trainer, "advise_mode", None)
         self._advice = advise(predicted_ready_times(n_mb, r.ras_next, tprm), m_actor) \
             if advise is not None else None
@@ -95,6 +98,7 @@ class ReadinessAware:
         if self.roles.differs(plan):
             weights = await self.trainer.export_weights_async()
             await self.roles.apply(plan, step=self.step, version=self.version, weights=weights)
+        self._t_boundary = self.now()
 
     async def _boundary(self, out: dict) -> float:
         """Signals → plan → role change → weight sync (to every live rank, new ones included);
@@ -107,6 +111,7 @@ class ReadinessAware:
         change = await self.roles.apply(plan, step=self.step, version=self.version,
                                         weights=weights)
         await self.hooks.sync_weights(weights, self.version)
+        self._t_boundary = self.now()
         self._retain(out["readiness"], out)
         out["plan"], out["change"] = plan, change
         out["change_s"] = change["change_s"] if change else 0.0

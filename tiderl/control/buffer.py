@@ -172,7 +172,8 @@ class ReadinessBuffer:
 
     def boundary(self, r: Readiness, now: float, *, step_time: float, step_time_mean: float,
                  twt: float, rwt: float, batch_ideal: int, tau: float, wait_frac: float,
-                 break_even_ras: int, uses_ref: bool) -> Readiness:
+                 break_even_ras: int, uses_ref: bool,
+                 rwt_span: float | None = None) -> Readiness:
         """The signals ERS plans with, right after the update (before the weight sync).
 
         Consumption deficit: the oldest ready group has waited longer than τ·T_step, or
@@ -193,14 +194,18 @@ class ReadinessBuffer:
         r.volume_next = len(self.ready)
         r.ras_next = len(self.ready) // gpm
         span = max(step_time, 1e-9)
-        r.twt_frac, r.rwt_frac = twt / span, rwt / span
+        # RWT accrues from one boundary to the next (a slow weight sync throttles rollout
+        # too), so it is a share of that interval; TWT is a share of the step.
+        r.twt_frac = twt / span
+        r.rwt_frac = rwt / max(rwt_span or step_time, span)
         r.break_even_ras = break_even_ras
         r.above_break_even = uses_ref and r.ras_next >= max(1, break_even_ras)
         con, gen = [], []
         if r.hol_s > r.hol_limit_s:
             con.append(f"head-of-line {r.hol_s:.2f}s > τ·T_step {r.hol_limit_s:.2f}s")
         if r.rwt_frac > wait_frac:
-            con.append(f"rollout throttled {rwt:.2f}s = {r.rwt_frac:.0%} of the step")
+            con.append(f"rollout throttled {rwt:.2f}s = {r.rwt_frac:.0%} of the interval "
+                       "since the last boundary")
         if r.volume_next < batch_ideal and r.twt_frac > wait_frac:
             gen.append(f"{r.volume_next} of B_ideal={batch_ideal} groups ready, trainer "
                        f"waited {twt:.2f}s = {r.twt_frac:.0%} of the step")
