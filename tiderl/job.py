@@ -32,8 +32,16 @@ from tiderl.train.backend import TrainerBackend
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
 from tiderl.train.ref_actor import dp_size
+from tiderl.weightsync import local_replica, put_local, rank_shardings
 
 log = logging.getLogger(__name__)
+
+
+def join_world(cfg: RunConfig):
+    """This process's JAX world (`tiderl.distributed`): one process unless configured."""
+    from tiderl.distributed import initialize
+
+    return initialize(cfg.distributed)
 
 
 def trainer_config_for_mode(cfg: RunConfig):
@@ -118,6 +126,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     `overrides` it was resumed with to `resumes.jsonl`."""
     from tiderl.launch import build
 
+    if (world := join_world(cfg)).size > 1:
+        from tiderl.hosts import run_multihost
+
+        return await run_multihost(cfg, world, resume=resume, overrides=tuple(overrides))
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
@@ -148,10 +160,12 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
-    rank_devices = [devices[r[0]] for r in plan.rollout]
+    # Each rank's layout: its device, or its tensor-parallel cell (rollout.devices_per_rank).
+    targets = [rank_shardings(jax.eval_shape(lambda: params), m) for m in meshes["rollout"]]
     weights = await trainer.export_weights_async()
-    engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
-                      version=trainer.version) for d in rank_devices]
+    first, _ = await asyncio.to_thread(put_local, local_replica(weights), targets)
+    engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
+               for w in first]
     ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
              for i, e in enumerate(engines)]
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
@@ -160,13 +174,13 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     sched.cfg.check_group_size(cfg.env.group_size)
 
-    async def sync_weights(exported: Any, version: int) -> None:
-        async def one(rank: RolloutRank, device: Any) -> None:
-            # The copy runs off the event loop: env I/O keeps flowing during a sync.
-            await rank.update_weights(await asyncio.to_thread(jax.device_put, exported, device),
-                                      version)
-
-        await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))
+    async def sync_weights(exported: Any, version: int) -> dict:
+        # The copies run off the event loop: env I/O keeps flowing during a sync. One trainer
+        # replica, resharded into each rank's layout device to device (tiderl.weightsync).
+        trees, stats = await asyncio.to_thread(put_local, local_replica(exported), targets)
+        await asyncio.gather(*(r.update_weights(t, version)
+                               for r, t in zip(ranks, trees, strict=True)))
+        return stats.metrics()
 
     train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
     train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
