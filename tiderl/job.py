@@ -20,6 +20,7 @@ from tiderl.control.controller import Controller, Hooks
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
 from tiderl.envs.client import EnvClient
+from tiderl.envs.config import with_default_token
 from tiderl.envs.server import endpoint
 from tiderl.envs.tasks import TaskSource, TaskStream
 from tiderl.envs.templates import template_for
@@ -202,12 +203,15 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                              zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
     metrics = MetricsSink(run_dir, console=cfg.controller.console,
                           prometheus_port=cfg.controller.prometheus_port,
+                          prometheus_host=cfg.controller.prometheus_host,
+                          prometheus_token=cfg.controller.prometheus_token,
                           total_steps=cfg.controller.steps)
     summary: dict = {}
     try:
         for r in ranks:
             await r.start()
-        async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
+        env_cfg, _ = with_default_token(cfg.env)  # an exposed in-process server gets a token
+        async with endpoint(env_cfg) as url, EnvClient(url, env_cfg) as env:
             manager = RolloutManager(ranks, sched, env, template,
                                      max_turns=cfg.env.max_turns,
                                      system=cfg.controller.system_prompt or None,

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge
 
 GAUGES = ("goodput", "gen_throughput", "kv_hit_rate", "reward_mean", "eval_success", "rwt_s",
           "twt_s", "step_time_s", "version", "staleness_mean", "rollout_ranks", "trainer_ranks")
@@ -28,7 +28,8 @@ class MetricsSink:
     only the most recent `keep_records` are held (the file has them all)."""
 
     def __init__(self, run_dir: str | Path, *, console: bool = True, prometheus_port: int = -1,
-                 total_steps: int = 0, keep_records: int = 1000):
+                 total_steps: int = 0, keep_records: int = 1000,
+                 prometheus_host: str = "127.0.0.1", prometheus_token: str = ""):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_records)
@@ -36,10 +37,13 @@ class MetricsSink:
         self.registry = CollectorRegistry()
         self.gauges = {k: Gauge(f"tiderl_{k}", k, registry=self.registry) for k in GAUGES}
         self.port = None
+        self._server = None
         if prometheus_port >= 0:
-            server, _ = start_http_server(prometheus_port, addr="127.0.0.1",
-                                          registry=self.registry)
-            self.port = server.server_port
+            from tiderl.control.promserve import MetricsServer
+
+            self._server = MetricsServer(self.registry, prometheus_host, prometheus_port,
+                                         prometheus_token)
+            self.port = self._server.port
         self.total_steps = total_steps
         self._progress = None
         self._task = None
@@ -74,6 +78,9 @@ class MetricsSink:
             self._progress.update(self._task, completed=record["step"], line=line)
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
