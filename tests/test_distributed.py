@@ -68,6 +68,9 @@ def test_every_host_gets_the_same_layout_and_cells_stay_inside_a_process():
     with pytest.raises(ConfigError, match="trainer cell must sit inside one process"):
         host_plan(n_processes=2, local_devices=4, ranks=2, devices_per_rank=1,
                   actor_devices=4, ref_devices=0, fsdp=4, model_parallel=1)
+    with pytest.raises(ConfigError, match="trainer.ref_devices"):
+        host_plan(n_processes=2, local_devices=4, ranks=2, devices_per_rank=1,
+                  actor_devices=2, ref_devices=2, fsdp=1, model_parallel=1)
     with pytest.raises(ConfigError, match="rollout.ranks"):  # a host's share does not fit
         host_plan(n_processes=2, local_devices=4, ranks=4, devices_per_rank=2,
                   actor_devices=2, ref_devices=0, fsdp=1, model_parallel=1)

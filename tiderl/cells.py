@@ -67,6 +67,13 @@ def host_plan(*, n_processes: int, local_devices: int, ranks: int, devices_per_r
               colocate_rollout: bool = False) -> DevicePlan:
     """The world's device plan in global device indices (process p's local device i is
     p × local_devices + i, JAX's order): every host lays out its share the same way."""
+    if ref_devices and n_processes > 1:
+        # The Ref's logprobs would have to move between two meshes spanning processes, a
+        # cross-process reshard JAX does not do; colocated RA2P keeps them on the Actor's mesh.
+        raise ConfigError(
+            f"config key 'trainer.ref_devices'={ref_devices}: a decoupled Ref on several "
+            "processes is not supported yet; set trainer.ref_devices=0 (Ref colocated with "
+            "the Actor)")
     ranks_h = _per_host("rollout.ranks", ranks, n_processes, "rollout ranks")
     actor_h = _per_host("trainer.actor_devices", actor_devices, n_processes, "trainer devices")
     ref_h = _per_host("trainer.ref_devices", ref_devices, n_processes, "Ref devices")

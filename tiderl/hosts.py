@@ -182,6 +182,9 @@ async def _lead(cfg: RunConfig, world: World, s: Setup, resume: bool,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": s.start_step, "at": time.time(),
                                 "overrides": list(overrides), "processes": world.size}) + "\n")
+    # Stopped by a dead peer (the watchdog exits at once): the run folder still says why.
+    world.on_lost(lambda why: (run_dir / "summary.json").write_text(
+        json.dumps({"ended": f"stopped: {why}", "processes": world.size})))
     router = Router(world)
     ranks: list[Any] = [s.ranks[c.index] if c.index in s.ranks
                         else RemoteRank(c.index, c.process, router) for c in s.roles.rollout()]

@@ -20,7 +20,8 @@ from tiderl.serving.rollout import RolloutFailedError
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
   python -m tiderl.launch --config configs/tiny-8dev.yaml trainer.lr=1e-5 rollout.ranks=2
-sections: model, cluster, rollout, trainer, env, controller (see README "Configuration");
+sections: model, cluster, rollout, trainer, env, controller, distributed (README
+"Configuration", "Several hosts");
 values are YAML (numbers, true/false, [lists]).
 """
 
