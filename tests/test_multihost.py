@@ -3,10 +3,10 @@ it would run on two hosts: a rollout rank on each process (tensor-parallel over 
 trainer whose data axis spans both (data=2 × fsdp=2), weights synced shard to shard, orbax
 checkpoints written by both. Checked against the same job in one process on 8 devices.
 
-One module fixture starts three jobs at once (they share the two cores): the one-process
-reference, the two-process run, and a two-process run whose process 1 is killed mid-run and
-then resumed on two processes. Every process runs in its own session and is killed on the way
-out, whatever happens.
+Module fixtures run the one-process reference and the two-process run side by side, and (for
+the slow test) a two-process run whose process 1 is killed mid-run, then resumed on two
+processes. Every process runs in its own session and is killed on the way out, whatever
+happens.
 
 Tolerance: parameters after N steps within 1e-5 relative (fp32). Measured: bit-identical.
 """
@@ -26,7 +26,7 @@ import pytest
 
 from tiderl.localworld import LocalWorld
 
-pytestmark = [pytest.mark.entry, pytest.mark.slow]
+pytestmark = pytest.mark.entry
 
 STEPS = 4
 HEARTBEAT_S = 8
@@ -75,58 +75,74 @@ def _saved(run: Path) -> list[int]:
     return sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit()) if ck.is_dir() else []
 
 
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("multihost")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
-    out: dict = {"one": base / "one", "two": base / "two", "killed": base / "killed"}
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("multihost")
+
+
+@pytest.fixture(scope="module")
+def runs(base):
+    """The one-process reference and the two-process run, side by side."""
+    out: dict = {"one": base / "one", "two": base / "two"}
     with (base / "one.log").open("w") as log:
         one = subprocess.Popen([sys.executable, "-m", "tiderl.launch", f"run_dir={out['one']}",
                                 "cluster.fake_cpu_devices=8", *JOB], stdout=log,
-                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                               stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     # Process 1's rank gets its weights from process 0 (cross-process device_put); the killed
-    # run keeps the default (each process from its own trainer replica).
+    # run below keeps the default (each process from its own trainer replica).
     two = LocalWorld(2, [f"run_dir={out['two']}", "cluster.fake_cpu_devices=4",
                          "distributed.weight_source=process0", *JOB], log_dir=base / "two-logs")
-    # Slow episodes (1 s per env step) leave time to kill it between its checkpoints.
-    killed = LocalWorld(2, [f"run_dir={out['killed']}", "cluster.fake_cpu_devices=4",
-                            "env.latency.dist=lognormal", "env.latency.median_s=1.0",
-                            "env.latency.sigma=0.1", *JOB], log_dir=base / "killed-logs")
     try:
-        two.start()
-        killed.start()
-        deadline = time.monotonic() + 900
-        while not _saved(out["killed"]):
-            assert all(c is None for c in killed.poll()), killed.log(0)[-3000:]
-            assert time.monotonic() < deadline, "the killed run saved no checkpoint"
-            time.sleep(0.1)
-        out["saved_before_kill"] = _saved(out["killed"])
-        killed.kill_process(1)
-        t_kill = time.monotonic()
-        while killed.poll()[0] is None and time.monotonic() - t_kill < 120:
-            time.sleep(0.05)
-        out["stop_s"] = time.monotonic() - t_kill
-        out["killed_codes"] = killed.poll()
-        out["killed_log0"] = killed.log(0)
-        out["two_codes"] = two.wait(900)
-        out["two_log1"] = two.log(1)
+        with two:
+            out["two_codes"] = two.wait(900)
+            out["two_log1"] = two.log(1)
         out["one_code"] = one.wait(900)
-        resumed = LocalWorld(2, ["--resume", str(out["killed"]), "env.latency.dist=none"],
-                             log_dir=base / "resumed-logs")
-        with resumed:
-            out["resumed_codes"] = resumed.wait(900)
-            out["resumed_log0"] = resumed.log(0)
+        out["one_log"] = (base / "one.log").read_text()
     finally:
-        two.kill()
-        killed.kill()
         if one.poll() is None:
             os.killpg(one.pid, signal.SIGKILL)
             one.wait()
     return out
 
 
-def test_two_processes_train_exactly_what_one_process_trains(jobs):
-    assert jobs["one_code"] == 0, (jobs["one"] / "../one.log").resolve().read_text()[-3000:]
+@pytest.fixture(scope="module")
+def killed(base):
+    """A two-process run whose process 1 is killed mid-run, then resumed on two processes."""
+    run = base / "killed"
+    out: dict = {"run": run}
+    # Slow episodes (1 s per env step) leave time to kill it between its checkpoints.
+    w = LocalWorld(2, [f"run_dir={run}", "cluster.fake_cpu_devices=4",
+                       "env.latency.dist=lognormal", "env.latency.median_s=1.0",
+                       "env.latency.sigma=0.1", *JOB], log_dir=base / "killed-logs")
+    with w:
+        deadline = time.monotonic() + 900
+        while not _saved(run):
+            assert all(c is None for c in w.poll()), w.log(0)[-3000:]
+            assert time.monotonic() < deadline, "the killed run saved no checkpoint"
+            time.sleep(0.1)
+        out["saved_before_kill"] = _saved(run)
+        w.kill_process(1)
+        t_kill = time.monotonic()
+        while w.poll()[0] is None and time.monotonic() - t_kill < 120:
+            time.sleep(0.05)
+        out["stop_s"] = time.monotonic() - t_kill
+        out["codes"] = w.poll()
+        out["log0"] = w.log(0)
+        summary = run / "summary.json"
+        out["ended"] = json.loads(summary.read_text())["ended"] if summary.exists() else ""
+    with LocalWorld(2, ["--resume", str(run), "env.latency.dist=none"],
+                    log_dir=base / "resumed-logs") as r:
+        out["resumed_codes"] = r.wait(900)
+        out["resumed_log0"] = r.log(0)
+    return out
+
+
+def test_two_processes_train_exactly_what_one_process_trains(runs):
+    jobs = runs
+    assert jobs["one_code"] == 0, jobs["one_log"][-3000:]
     assert jobs["two_codes"] == [0, 0], jobs["two_log1"][-3000:]
     one, two = records(jobs["one"]), records(jobs["two"])
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
@@ -146,24 +162,26 @@ def test_two_processes_train_exactly_what_one_process_trains(jobs):
         "ocdbt.process_*")} == {"ocdbt.process_0", "ocdbt.process_1"}
 
 
-def test_a_dead_process_stops_the_other_with_one_line_and_resume_continues_exactly(jobs):
-    codes, log0 = jobs["killed_codes"], jobs["killed_log0"]
+@pytest.mark.slow
+def test_a_dead_process_stops_the_other_with_one_line_and_resume_continues_exactly(runs, killed):
+    codes, log0 = killed["codes"], killed["log0"]
     assert codes[0] == 4 and codes[1] == -signal.SIGKILL, (codes, log0[-3000:])
     lines = [x for x in log0.splitlines() if x.startswith("tiderl: stopped:")]
     assert len(lines) == 1 and "process 1 of 2 died" in lines[0], log0[-3000:]
     assert "--resume" in lines[0]
     # Detected by missed heartbeats: within the configured timeout (plus the watchdog's poll
     # and a loaded machine's slack), never a hang.
-    print(f"process 0 stopped {jobs['stop_s']:.1f} s after process 1 was killed")
-    assert jobs["stop_s"] < HEARTBEAT_S + 6
-    assert jobs["resumed_codes"] == [0, 0], jobs["resumed_log0"][-3000:]
-    run = jobs["killed"]
+    print(f"process 0 stopped {killed['stop_s']:.1f} s after process 1 was killed")
+    assert killed["stop_s"] < HEARTBEAT_S + 6
+    run = killed["run"]
+    assert "stopped: process 1 of 2 died" in killed["ended"]  # the run folder says why
+    assert killed["resumed_codes"] == [0, 0], killed["resumed_log0"][-3000:]
     resumed_from = json.loads((run / "resumes.jsonl").read_text())["from_step"]
-    assert resumed_from >= jobs["saved_before_kill"][-1] and resumed_from < STEPS
+    assert resumed_from >= killed["saved_before_kill"][-1] and resumed_from < STEPS
     # The resumed run ends where the uninterrupted one does: step, version, data position,
     # the groups of every step, the parameters.
-    got, want = meta(run, STEPS), meta(jobs["one"], STEPS)
+    got, want = meta(run, STEPS), meta(runs["one"], STEPS)
     assert (got["step"], got["version"], got["data_state"]) == \
         (want["step"], want["version"], want["data_state"])
-    assert [r["group_ids"] for r in records(run)] == [r["group_ids"] for r in records(jobs["one"])]
-    assert max_rel_diff(params(jobs["one"], STEPS), params(run, STEPS)) <= 1e-5
+    assert [r["group_ids"] for r in records(run)] == [r["group_ids"] for r in records(runs["one"])]
+    assert max_rel_diff(params(runs["one"], STEPS), params(run, STEPS)) <= 1e-5
