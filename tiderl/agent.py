@@ -140,14 +140,23 @@ class RemoteRank:
         self._send({"op": "hello"})
         await self._started
 
-    async def close(self) -> dict:
+    async def close(self, timeout_s: float = 120.0) -> dict:
+        """Closes the remote rank and hands back its tasks (as `RolloutRank.close`). A rank
+        never started (the run failed before) only forgets; its agent ends with the plan."""
         if self._closed:
             return {}
         self._closed = True
-        handed = await self._call({"op": "close"})
         for fut in self._turns.values():
             if not fut.done():
                 fut.cancel()
+        if self._started is None:
+            return {}
+        try:
+            handed = await asyncio.wait_for(self._call({"op": "close"}), timeout_s)
+        except TimeoutError:
+            log.warning("rank %d on process %d did not answer close within %g s", self.rank_id,
+                        self.process, timeout_s)
+            return {}
         return {int(k): wire.handoff_from_wire(v) for k, v in handed["handoffs"].items()}
 
     # -- the RolloutRank API --------------------------------------------------------------------

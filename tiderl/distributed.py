@@ -23,8 +23,9 @@ A process that dies: the coordination service notices its missing heartbeats aft
 naming it and exits with code 4 (the checkpoints already written stay intact; restart every
 process with `--resume`). The service runs in recoverable mode so that this line, not JAX's
 abort of every process, is what users see. When process 0 itself dies the coordination service
-goes with it and JAX's client stops the other processes at once with its own message ("the
-leader task was preempted/died").
+goes with it and JAX's client aborts the other processes at once; `tiderl.supervise` (the thin
+parent launch puts around each process) turns that into the same kind of line, naming
+process 0.
 
 JAX is imported lazily: the config and `resolve` are JAX-free (config.py imports this module).
 """

@@ -145,6 +145,7 @@ class SpmdTrainer(TrainerBackend):
                 f"role map epoch {rm.epoch} moves cells across processes; elastic scaling "
                 "across processes is not wired yet (keep controller.ers off on several hosts)")
         self.roles = rm
+        self.swap("actor", "device")  # an offloaded Actor comes back first (on every process)
         trees, stats = self.syncer.run(self.state["params"])
         wire_stats = {r: s.to_wire() for r, s in stats.items()}
         if self.on_synced is not None:
