@@ -8,11 +8,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import jax
 
 from tiderl.config import RunConfig
 from tiderl.control.buffer import ReadinessBuffer
@@ -29,20 +28,11 @@ from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
-from tiderl.train.backend import TrainerBackend
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
 from tiderl.train.ref_actor import dp_size
-from tiderl.weightsync import local_replica, put_local, rank_shardings
 
 log = logging.getLogger(__name__)
-
-
-def join_world(cfg: RunConfig):
-    """This process's JAX world (`tiderl.distributed`): one process unless configured."""
-    from tiderl.distributed import initialize
-
-    return initialize(cfg.distributed)
 
 
 def trainer_config_for_mode(cfg: RunConfig):
@@ -119,33 +109,59 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     return len(drop)
 
 
+async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
+                      rcfg: Any) -> tuple[list[RolloutRank], Any]:
+    """One process's rollout ranks, an engine each on its device or tensor-parallel cell
+    (`rollout.devices_per_rank`), and the sync hook: one trainer replica resharded into each
+    rank's layout device to device (`tiderl.weightsync`), off the event loop so env I/O keeps
+    flowing; it returns the sync's bytes and GB/s for the step's record."""
+    from tiderl.weightsync import local_replica, put_local, rank_shardings
+
+    targets = [rank_shardings(trainer._abstract, m) for m in meshes["rollout"]]
+    weights = await trainer.export_weights_async()
+    first, _ = await asyncio.to_thread(put_local, local_replica(weights), targets)
+    engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
+               for w in first]
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+             for i, e in enumerate(engines)]
+
+    async def sync_weights(exported: Any, version: int) -> dict:
+        trees, stats = await asyncio.to_thread(put_local, local_replica(exported), targets)
+        await asyncio.gather(*(r.update_weights(t, version)
+                               for r, t in zip(ranks, trees, strict=True)))
+        return stats.metrics()
+
+    return ranks, sync_weights
+
+
 async def run_job(cfg: RunConfig, *, resume: bool = False,
                   overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Runs the configured job to the end; returns the final summary.
 
     A new run writes its resolved `config.yaml`; a resumed one keeps it and appends the
     `overrides` it was resumed with to `resumes.jsonl`."""
+    from tiderl.hosts import site_for
     from tiderl.launch import build
 
-    if (world := join_world(cfg)).size > 1:
-        from tiderl.hosts import run_multihost
-
-        return await run_multihost(cfg, world, resume=resume, overrides=tuple(overrides))
+    site = site_for(cfg)  # this process alone, or process 0 of several (tiderl.hosts)
+    if site.follower:  # another process of a multi-host world: its host agent, to the end
+        return await site.follow(resume)
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "config.yaml").write_text(site.config_yaml(cfg))
+    await site.ready()
     devices, plan, meshes, graphdef, params = build(cfg)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
     rcfg = rollout_config_for(cfg, template)
     tcfg = trainer_config_for_mode(cfg)
     ref_mesh = meshes["ref"] if plan.ref else None
-    trainer = TrainerBackend(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
-                             temperature=rcfg.temperature, seed=cfg.seed,
-                             policy=(graphdef, params))
+    trainer = site.trainer(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
+                           temperature=rcfg.temperature, seed=cfg.seed,
+                           policy=(graphdef, params))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.controller.keep_checkpoints)
     start_step, data_state = 0, {"next_index": 0, "pending": []}
     if resume:
@@ -161,37 +177,21 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
-    # Each rank's layout: its device, or its tensor-parallel cell (rollout.devices_per_rank).
-    targets = [rank_shardings(jax.eval_shape(lambda: params), m) for m in meshes["rollout"]]
-    weights = await trainer.export_weights_async()
-    first, _ = await asyncio.to_thread(put_local, local_replica(weights), targets)
-    engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
-               for w in first]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
-             for i, e in enumerate(engines)]
+    # Engines on each rank's device or tensor-parallel cell; on several processes, remote
+    # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
+    ranks, sync_weights = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
     capacity = rcfg.num_pages * rcfg.page_size
     sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     sched.cfg.check_group_size(cfg.env.group_size)
 
-    async def sync_weights(exported: Any, version: int) -> dict:
-        # The copies run off the event loop: env I/O keeps flowing during a sync. One trainer
-        # replica, resharded into each rank's layout device to device (tiderl.weightsync).
-        trees, stats = await asyncio.to_thread(put_local, local_replica(exported), targets)
-        await asyncio.gather(*(r.update_weights(t, version)
-                               for r, t in zip(ranks, trees, strict=True)))
-        return stats.metrics()
-
     train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
     train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
     eval_src = TaskSource.from_config(cfg.env, "eval")
     eval_groups = [eval_src.element(k) for k in range(eval_src.groups)]  # env.eval_groups
 
-    async def checkpoint(step: int, state: dict) -> None:
-        # On the trainer's worker thread: the save's device→host copy (and a swap back from
-        # host memory) must neither block the event loop nor race the trainer's own work.
-        await asyncio.wrap_future(trainer.call(lambda: ckpt.save(trainer, data_state=state)))
+    checkpoint = site.checkpoint(trainer, ckpt)
 
     order = "decoupled" if trainer.mode == "decoupled" else "colocated"
     hooks = Hooks(sync_weights=sync_weights,
@@ -223,13 +223,16 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                 start_step=start_step, pending=data_state.get("pending", []))
             summary = await controller.run()
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
+            site.annotate(summary, ranks)
     finally:
         metrics.close()
         for r in ranks:
             await r.close()
+        await site.finish(trainer, sys.exc_info()[1])  # several processes: theirs end here
         ckpt.wait()
         ckpt.close()
         trainer.close()
+        await site.leave()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if summary.get("steps"):
         from tiderl.report import write_plots
