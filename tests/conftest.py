@@ -8,7 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same kernels (the tiny default model's engine and trainer steps), and
 # the entry-point tests do so again in subprocesses: a session-wide cache compiles each once.
 # The environment variables reach the subprocesses; a fresh directory keeps runs independent.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="tiderl-jaxcache-"))
+_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tiderl-jaxcache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -21,3 +23,10 @@ if jax is not None:
     # XLA_FLAGS set after JAX starts are ignored; this config works until the backend starts.
     jax.config.update("jax_num_cpu_devices", 8)
     jax.config.update("jax_enable_x64", False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE, ignore_errors=True)
