@@ -363,6 +363,9 @@ def initialize(cfg: DistributedConfig) -> World:
     # the service aborting every process with a stack trace.
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # No persistent compilation cache across processes: an executable with CPU (gloo)
+    # collectives loaded from the cache fails after a resume; each process compiles afresh.
+    jax.config.update("jax_enable_compilation_cache", False)
     jax.config.update("jax_cross_host_transfer_socket_address",
                       transfer_address(cfg, spec.coordinator))
     try:
