@@ -169,7 +169,8 @@ class RemoteRank:
         return self.failed is None and not self._closed
 
     def turn(self, task_id: int, new_tokens: Sequence[int], prefix: Any = None, *,
-             sample_id: int | None = None, temperature: float | None = None) -> asyncio.Future:
+             sample_id: int | None = None, temperature: float | None = None,
+             max_action_tokens: int | None = None) -> asyncio.Future:
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
         old = self._turns.get(task_id)
@@ -180,7 +181,7 @@ class RemoteRank:
         self._turns[task_id] = fut
         self._send({"op": "turn", "task": task_id, "tokens": [int(t) for t in new_tokens],
                     "prefix": wire.prefix_to_wire(prefix), "sample_id": sample_id,
-                    "temperature": temperature})
+                    "temperature": temperature, "max_action_tokens": max_action_tokens})
         return fut
 
     def pause(self, task_id: int) -> None:
@@ -347,7 +348,8 @@ class HostAgent:
         task = msg["task"]
         try:
             fut = rank.turn(task, msg["tokens"], wire.prefix_from_wire(msg["prefix"]),
-                            sample_id=msg["sample_id"], temperature=msg["temperature"])
+                            sample_id=msg["sample_id"], temperature=msg["temperature"],
+                            max_action_tokens=msg.get("max_action_tokens"))
         except RankFailedError as e:
             self._reply(rank, {"op": "turn", "task": task, "error": str(e), "kind": "failed"})
             return
