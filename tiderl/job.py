@@ -8,11 +8,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import jax
+from typing import TYPE_CHECKING, Any
 
 from tiderl.agents.runner import episode_backend
 from tiderl.cluster import cell_layout
@@ -25,7 +24,7 @@ from tiderl.control.metrics import MetricsSink
 from tiderl.control.progress import starvation_advice
 from tiderl.control.samples import SampleWriter
 from tiderl.data import task_streams
-from tiderl.elastic import CellRuntime, CompileWatch
+from tiderl.envs.config import with_default_token
 from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
@@ -34,10 +33,13 @@ from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.serving.weights import serving_weights
-from tiderl.train.backend import TrainerBackend
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
 from tiderl.train.ref_actor import dp_size
+
+if TYPE_CHECKING:
+    from tiderl.elastic import CellRuntime
+    from tiderl.train.backend import TrainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +120,47 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     return len(drop)
 
 
+async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
+                      rcfg: Any) -> tuple[list[RolloutRank], Any]:
+    """One process's rollout ranks, an engine each on its device or tensor-parallel cell
+    (`rollout.devices_per_rank`), and the sync hook: one trainer replica resharded into each
+    rank's layout device to device (`tiderl.weightsync`), off the event loop so env I/O keeps
+    flowing; it returns the sync's bytes and GB/s for the step's record."""
+    from tiderl.weightsync import local_replica, put_local, rank_shardings
+
+    targets = [rank_shardings(trainer._abstract, m) for m in meshes["rollout"]]
+    # Engines serve the weights in the compute dtype (bf16 runs: half the bytes per decode
+    # step, same values; serving/weights.py); the cast runs off the event loop too.
+    def place(exported: Any) -> Any:
+        return put_local(local_replica(serving_weights(exported, cfg.model)), targets)
+
+    first, _ = await asyncio.to_thread(place, await trainer.export_weights_async())
+    engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
+               for w in first]
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+             for i, e in enumerate(engines)]
+
+    async def sync_weights(exported: Any, version: int) -> dict:
+        trees, stats = await asyncio.to_thread(place, exported)
+        await asyncio.gather(*(r.update_weights(t, version)
+                               for r, t in zip(ranks, trees, strict=True)))
+        return stats.metrics()
+
+    return ranks, sync_weights
+
+
 async def run_job(cfg: RunConfig, *, resume: bool = False,
                   overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Runs the configured job to the end; returns the final summary.
 
     A new run writes its resolved `config.yaml`; a resumed one keeps it and appends the
     `overrides` it was resumed with to `resumes.jsonl`."""
+    from tiderl.hosts import site_for
     from tiderl.launch import build
 
+    site = site_for(cfg)  # this process alone, or process 0 of several (tiderl.hosts)
+    if site.follower:  # another process of a multi-host world: its host agent, to the end
+        return await site.follow(resume)
     if why := await asyncio.to_thread(env_url_error, cfg.env):  # before any device work
         raise ConfigError(why)
     run_dir = Path(cfg.run_dir)
@@ -133,7 +168,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (run_dir / "config.yaml").write_text(site.config_yaml(cfg))
+    await site.ready()
     t0 = time.monotonic()
     devices, plan, meshes, graphdef, params = build(cfg)  # bad device plans fail in here, first
     log.info("starting: %s × %d devices, policy built (%.1fs)", devices[0].platform,
@@ -143,9 +179,9 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     rcfg = rollout_config_for(cfg, template)
     tcfg = trainer_config_for_mode(cfg)
     ref_mesh = meshes["ref"] if plan.ref else None
-    trainer = TrainerBackend(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
-                             temperature=rcfg.temperature, seed=cfg.seed,
-                             policy=(graphdef, params))
+    trainer = site.trainer(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
+                           temperature=rcfg.temperature, seed=cfg.seed,
+                           policy=(graphdef, params))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.controller.keep_checkpoints)
     start_step, data_state = 0, {"next_index": 0, "pending": []}
     if resume:
@@ -166,6 +202,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         # The cast, the weight copy and the engine's setup run off the event loop. Engines
         # serve the weights in the compute dtype (bf16 runs: half the bytes per decode step,
         # same values; serving/weights.py).
+        import jax
+
         def build_engine() -> Engine:
             served = jax.device_put(serving_weights(weights, cfg.model), device)
             return Engine(graphdef, served, cfg.model, rcfg, seed=cfg.seed, version=version)
@@ -179,31 +217,44 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     batcher = MicroBatcher(cfg, dp_size(meshes["actor"]), order)
     colocated = bool({d for r in plan.rollout for d in r} & set(plan.actor))
     ers_on, why_off = cfg.ers_enabled(colocated=colocated)
-    runtime = None if colocated else cells_for(cfg, plan, devices, trainer=trainer,
-                                                batcher=batcher, make_rank=make_rank)
+    if site.world.size > 1 and ers_on:  # cells move inside one process's devices only
+        if cfg.controller.ers == "on":
+            raise ConfigError(f"config key 'controller.ers'='on' with {site.world.size} "
+                              "processes: elastic scaling moves cells within one process; "
+                              "set controller.ers=off (or auto) for a multi-host run")
+        ers_on, why_off = False, f"{site.world.size} processes"
+    runtime = None if colocated or site.world.size > 1 else cells_for(
+        cfg, plan, devices, trainer=trainer, batcher=batcher, make_rank=make_rank)
+    if ers_on and runtime is None:  # nothing to move (the checks above name why)
+        ers_on, why_off = False, "no cells"
     if not ers_on:
         log.info("elastic scaling off: %s", why_off)
-    weights = await asyncio.to_thread(serving_weights, await trainer.export_weights_async(),
-                                      cfg.model)
+    pending_start: list[Any] = []  # ranks started inside the try below (closed by its finally)
     if runtime is not None:
+        # Cells: one rank slot per device any cell may serve; slots no rank serves yet are
+        # dead in the scheduler. New weights go to every live rank (`sync_weights` below).
+        weights = await asyncio.to_thread(serving_weights, await trainer.export_weights_async(),
+                                          cfg.model)
         cells, per_cell = runtime.initial, runtime.layout.ranks_per_cell
-        slots: list[RolloutRank | None] = [None] * (len(cells.roles) * per_cell)
+        slots: list[Any] = [None] * (len(cells.roles) * per_cell)
         for rank in await runtime.start_ranks(cells.cells("rollout"), weights, trainer.version):
             slots[rank.rank_id] = rank
+        del weights
     else:
-        cells = initial_cells([("rollout", len(plan.rollout)), ("trainer", 1)])
-        per_cell = 1
-        slots = [await make_rank(i, devices[r[0]], weights, trainer.version)
-                 for i, r in enumerate(plan.rollout)]
-    del weights
-    log.info("starting: trainer and %d engine(s) ready (%.1fs); the first turns and the first "
-             "step compile", sum(r is not None for r in slots), time.monotonic() - t0)
+        # Engines on each rank's device or tensor-parallel cell; on several processes, remote
+        # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
+        slots, site_sync = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
+        pending_start = list(slots)
+        cells, per_cell = initial_cells([("rollout", len(slots)), ("trainer", 1)]), 1
+    ranks = [r for r in slots if r is not None]
+    log.info("starting: trainer and %d rollout rank(s) ready (%.1fs); the first turns and the "
+             "first step compile", len(ranks), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-    # One scheduler slot per rank any cell may serve; slots no rank serves yet are dead. Each
-    # engine's own pool (rollout.kv_memory_fraction sizes it from free device memory); a rank
-    # that joins later brings its own (RolloutManager.add_rank).
-    capacities = [r.engine.cfg.num_pages * r.engine.cfg.page_size if r is not None
-                  else rcfg.num_pages * rcfg.page_size for r in slots]
+    # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory); a
+    # rank on another process, or a slot no rank serves yet, is budgeted at the configured
+    # rollout.num_pages (a rank that joins later brings its own: RolloutManager.add_rank).
+    capacities = [(r.engine.cfg if r is not None and hasattr(r, "engine") else rcfg).num_pages
+                  * rcfg.page_size for r in slots]
     sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     for i, rank in enumerate(slots):
@@ -212,7 +263,11 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     sched.cfg.check_group_size(cfg.env.group_size)
     manager: RolloutManager | None = None
 
-    async def sync_weights(exported: Any, version: int) -> None:
+    async def sync_weights(exported: Any, version: int) -> Any:
+        if runtime is None:
+            return await site_sync(exported, version)
+        import jax
+
         live = [r for r in (manager.ranks if manager is not None else slots)
                 if r is not None and r.live and r.version != version]
 
@@ -226,13 +281,13 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         copies = await asyncio.wrap_future(trainer.call(put))
         await asyncio.gather(*(r.update_weights(w, version)
                                for r, w in zip(live, copies, strict=True)))
+        return None
 
     train_stream, eval_groups = task_streams(cfg.env, data_state)
 
-    async def checkpoint(step: int, state: dict) -> None:
-        # On the trainer's worker thread: the save's device→host copy (and a swap back from
-        # host memory) must neither block the event loop nor race the trainer's own work.
-        await asyncio.wrap_future(trainer.call(lambda: ckpt.save(trainer, data_state=state)))
+    checkpoint = site.checkpoint(trainer, ckpt)
+
+    from tiderl.elastic import CompileWatch
 
     hooks = Hooks(sync_weights=sync_weights, make_microbatches=batcher, checkpoint=checkpoint,
                   apply_roles=runtime.apply_roles if runtime is not None else None,
@@ -245,13 +300,17 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                              zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
     c = cfg.controller
     metrics = MetricsSink(run_dir, console=c.console, prometheus_port=c.prometheus_port,
+                          prometheus_host=c.prometheus_host, prometheus_token=c.prometheus_token,
                           total_steps=c.steps, loggers=c.loggers,
                           progress_every_s=c.progress_every_s, wandb_project=c.wandb_project,
                           wandb_mode=c.wandb_mode, run_config=to_dict(cfg))
     summary: dict = {}
     try:
+        for r in pending_start:
+            await r.start()
         system = cfg.controller.system_prompt or None
-        async with episode_backend(cfg.env, template, max_action_tokens=rcfg.max_action_tokens,
+        env_cfg, _ = with_default_token(cfg.env)  # an exposed in-process server gets a token
+        async with episode_backend(env_cfg, template, max_action_tokens=rcfg.max_action_tokens,
                                    temperature=rcfg.temperature, system=system) as (env, runner):
             manager = RolloutManager(slots, sched, env, template,
                                      max_turns=cfg.env.max_turns, system=system,
@@ -276,14 +335,17 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                                                                  default=str))
                 raise
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
+            site.annotate(summary, ranks)
     finally:
         metrics.close()
         for r in (manager.ranks if manager is not None else slots):
             if r is not None:
                 await r.close()
+        await site.finish(trainer, sys.exc_info()[1])  # several processes: theirs end here
         ckpt.wait()
         ckpt.close()
         trainer.close()
+        await site.leave()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if summary.get("steps"):
         from tiderl.report import write_plots, write_report
@@ -299,7 +361,13 @@ def cells_for(cfg: RunConfig, plan: Any, devices: list, *, trainer: TrainerBacke
     """The run's cells (None in sync mode, or when the roles are not whole cells: then
     nothing can move and the RA2P mode stays fixed). The caller has ruled out a plan whose
     rollout and training share devices."""
+    from tiderl.elastic import CellRuntime
+
     if cfg.controller.mode == "sync":
+        return None
+    if cfg.rollout.devices_per_rank != 1:  # a cell's ranks are one device each
+        log.info("no cells: rollout.devices_per_rank=%d (tensor-parallel ranks stay put)",
+                 cfg.rollout.devices_per_rank)
         return None
     t = cfg.trainer
     try:

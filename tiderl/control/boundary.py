@@ -110,7 +110,8 @@ class ReadinessAware:
         weights = await self.trainer.export_weights_async()
         change = await self.roles.apply(plan, step=self.step, version=self.version,
                                         weights=weights)
-        await self.hooks.sync_weights(weights, self.version)
+        synced = await self.hooks.sync_weights(weights, self.version)
+        out["sync"] = synced if isinstance(synced, dict) else {}  # the sync's own numbers
         self._t_boundary = self.now()
         self._retain(out["readiness"], out)
         out["plan"], out["change"] = plan, change
