@@ -243,8 +243,10 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     else:
         # Engines on each rank's device or tensor-parallel cell; on several processes, remote
         # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
-        slots, site_sync = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
-        pending_start = list(slots)
+        site_ranks, site_sync = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
+        # A copy: the site's sync keeps its own list (slots is cleared once the manager holds
+        # the ranks).
+        slots, pending_start = list(site_ranks), list(site_ranks)
         cells, per_cell = initial_cells([("rollout", len(slots)), ("trainer", 1)]), 1
     ranks = [r for r in slots if r is not None]
     log.info("starting: trainer and %d rollout rank(s) ready (%.1fs); the first turns and the "
