@@ -10,6 +10,7 @@ NO_JAX = [
     "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
     "tiderl.control.metrics", "tiderl.control.config", "tiderl.control.progress",
     "tiderl.control.samples", "tiderl.control.sinks", "tiderl.logs", "tiderl.report",
+    "tiderl.control.roles", "tiderl.control.boundary",
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",

@@ -7,6 +7,7 @@ The plan itself is pure data (device indices per role) so it can be validated be
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 from tiderl.configlib import ConfigError
@@ -36,6 +37,13 @@ class ClusterConfig:
     """GPU: the share of each GPU XLA's allocator reserves at start
     (XLA_PYTHON_CLIENT_MEM_FRACTION; an environment value wins). Weights, optimizer state,
     the engine's KV pool and activations all live inside it."""
+    compile_cache: str = "auto"
+    """JAX's persistent compilation cache: 'auto' (an existing $JAX_COMPILATION_CACHE_DIR,
+    else the user cache dir, $XDG_CACHE_HOME or ~/.cache, under tiderl/jax), 'run'
+    (<run_dir>/compile_cache), 'off', or a directory. Executables that took over a second to
+    compile are reused by later runs (and by a resumed one), including those of every trainer
+    mesh elastic scaling visits. Always off in a multi-process job (cached CPU collectives
+    executables do not survive a multi-process resume)."""
 
     def __post_init__(self):
         if self.fake_cpu_devices < 0:
@@ -133,6 +141,44 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
     return devices
 
 
+ENV_COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR"
+
+
+def compile_cache_dir(cfg: ClusterConfig, run_dir: str, *, processes: int = 1,
+                      environ: Mapping[str, str] | None = None) -> str | None:
+    """Where `cluster.compile_cache` puts JAX's persistent compilation cache (None: off).
+
+    `processes`: how many processes the job has (the most of what the config asks for and
+    `jax.process_count()`): more than one turns the cache off, since executables cached by
+    one process of a CPU world (its gloo collectives) break the world a resume builds. An
+    existing $JAX_COMPILATION_CACHE_DIR wins over every setting but 'off' (JAX itself reads
+    it, and a harness that sets it means it)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    v = cfg.compile_cache
+    if v == "off" or not v or processes > 1:
+        return None
+    if environ.get(ENV_COMPILE_CACHE):
+        return environ[ENV_COMPILE_CACHE]
+    if v == "auto":
+        base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "tiderl", "jax")
+    if v == "run":
+        return os.path.join(run_dir, "compile_cache")
+    return os.path.expanduser(v)
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """Turns the persistent compilation cache on at `path`, or off with None (before the
+    first compilation: JAX decides once per process whether to use it). Off also clears a
+    directory JAX took from $JAX_COMPILATION_CACHE_DIR, so 'off' and several processes mean
+    off."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
 def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,
                 model_parallel: int = 1) -> dict[str, Mesh | list[Mesh]]:
     """Meshes per role: one per rollout rank, the actor mesh, and the ref mesh (or the actor's)."""
@@ -147,3 +193,59 @@ def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,
     ref = make_mesh(pick(plan.ref), data=len(plan.ref)) if plan.ref else actor
     rollout = [make_mesh(pick(r), model=len(r)) for r in plan.rollout]
     return {"rollout": rollout, "actor": actor, "ref": ref}
+
+
+# -- cells (ERS): pure data, validated before JAX starts --------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CellLayout:
+    """Devices grouped into cells of `cell_size` (device indices, in device order) and each
+    cell's role at start. A cell is the unit both roles use: one fsdp × model group of the
+    trainer, or `cell_size` one-device rollout ranks; ERS moves cells, never devices."""
+
+    cell_size: int
+    cells: tuple[tuple[int, ...], ...]
+    roles: tuple[str, ...]
+
+    @property
+    def ranks_per_cell(self) -> int:
+        return self.cell_size  # rollout ranks are one device each
+
+    def devices(self, cells: tuple[int, ...] | list[int]) -> list[int]:
+        return [d for c in sorted(cells) for d in self.cells[c]]
+
+
+def cell_size_for(*, ranks: int, devices_per_rank: int, actor_devices: int, ref_devices: int,
+                  fsdp: int, model_parallel: int) -> int:
+    """The cell size the roles share (trainer.fsdp × trainer.model_parallel); ConfigError
+    naming the key when a role's devices are not whole cells."""
+    size = fsdp * model_parallel
+    checks = (("rollout.ranks × rollout.devices_per_rank", ranks * devices_per_rank),
+              ("trainer.actor_devices", actor_devices), ("trainer.ref_devices", ref_devices))
+    for key, n in checks:
+        if n % size:
+            raise ConfigError(
+                f"config key '{key.split(' ')[0]}': {key} is {n} devices, not a whole number "
+                f"of cells of {size} devices (trainer.fsdp × trainer.model_parallel), which "
+                f"elastic scaling moves between roles; make it a multiple of {size} or set "
+                "controller.ers=off")
+    if size % devices_per_rank:
+        raise ConfigError(f"config key 'rollout.devices_per_rank'={devices_per_rank} must divide "
+                          f"the cell size {size} (trainer.fsdp × trainer.model_parallel)")
+    return size
+
+
+def cell_layout(plan: DevicePlan, cell_size: int) -> CellLayout:
+    """The cells of a (not colocated) device plan: rollout cells first, then the Actor's, then
+    the Ref's, as `plan_devices` lays the roles out."""
+    groups = (("rollout", [d for r in plan.rollout for d in r]), ("trainer", list(plan.actor)),
+              ("ref", list(plan.ref)))
+    cells: list[tuple[int, ...]] = []
+    roles: list[str] = []
+    for role, devs in groups:
+        if len(devs) % cell_size:
+            raise ConfigError(f"the {role} role holds {len(devs)} devices, not whole cells of "
+                              f"{cell_size}; set controller.ers=off or resize the role")
+        for k in range(0, len(devs), cell_size):
+            cells.append(tuple(devs[k:k + cell_size]))
+            roles.append(role)
+    return CellLayout(cell_size, tuple(cells), tuple(roles))

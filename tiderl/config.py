@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.cluster import ClusterConfig, DevicePlan, plan_devices
+from tiderl.cluster import ClusterConfig, DevicePlan, cell_size_for, plan_devices
 from tiderl.configlib import (
     ConfigError,
     apply_overrides,
@@ -110,11 +110,55 @@ class RunConfig:
                 f"config key 'rollout.{key}'={value}: truncated sampling in a training run biases "
                 "the GRPO importance ratios (behaviour logprobs are full-vocabulary); set "
                 f"rollout.{key}={off} (top-k/top-p stay available on the Engine for evaluation)")
+        self.ers_enabled()  # controller.ers=on with roles that cannot move: fail now
         if self.controller.system_prompt and self.model.tokenizer == "byte":
             raise ConfigError(
                 "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
+
+    def ers_enabled(self, colocated: bool | None = None) -> tuple[bool, str]:
+        """Whether elastic scaling runs, and why not when it does not. `controller.ers=on`
+        with roles that are not whole cells is a ConfigError; `auto` then just stays off.
+
+        `colocated`: whether the device plan shares devices between rollout and training (the
+        job knows it once the platform is; before that only `cluster.colocate_rollout=true`
+        does, and 'auto' is judged when the job resolves it)."""
+        c = self.controller
+        if c.ers == "off" or c.ers == "auto" and c.mode != "tiderl":
+            return False, f"controller.ers={c.ers} (mode {c.mode})"
+        if colocated is None:
+            colocated = self.cluster.colocate_rollout is True
+        if colocated:
+            if c.ers == "on":
+                raise ConfigError("config key 'controller.ers'='on' with "
+                                  "rollout and training sharing devices (cluster.colocate_rollout="
+                                  f"{self.cluster.colocate_rollout}): there are no cells to "
+                                  "move; set controller.ers=off or "
+                                  "cluster.colocate_rollout=false")
+            return False, f"cluster.colocate_rollout={self.cluster.colocate_rollout} (shared)"
+        if self.trainer.mode != "auto":
+            if c.ers == "on":
+                raise ConfigError(f"config key 'controller.ers'='on' needs trainer.mode='auto' "
+                                  f"(ERS picks the RA2P mode), got {self.trainer.mode!r}")
+            return False, f"trainer.mode={self.trainer.mode}"
+        t, r = self.trainer, self.rollout
+        if r.devices_per_rank != 1:
+            if c.ers == "on":
+                raise ConfigError(f"config key 'controller.ers'='on' with rollout."
+                                  f"devices_per_rank={r.devices_per_rank}: elastic scaling "
+                                  "moves cells of one-device rollout ranks; set "
+                                  "rollout.devices_per_rank=1 or controller.ers=off")
+            return False, f"rollout.devices_per_rank={r.devices_per_rank}"
+        try:
+            cell_size_for(ranks=r.ranks, devices_per_rank=r.devices_per_rank,
+                          actor_devices=t.actor_devices, ref_devices=t.ref_devices,
+                          fsdp=t.fsdp, model_parallel=t.model_parallel)
+        except ConfigError as e:
+            if c.ers == "on":
+                raise
+            return False, str(e)
+        return True, ""
 
     def device_plan(self, n_devices: int, platform: str = "cpu") -> DevicePlan:
         """Roles on `n_devices` devices of `platform` (the one JAX started on): its defaults

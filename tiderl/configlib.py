@@ -52,8 +52,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(e)
         raise _type_error(value, tp, key)
     if origin is Literal:
-        if value in get_args(tp):
+        if value in get_args(tp) and not isinstance(value, bool):
             return value
+        if isinstance(value, bool) and ("on" if value else "off") in get_args(tp):
+            return "on" if value else "off"  # YAML 1.1 reads on/off as booleans
         raise ConfigError(
             f"config key '{key}': {value!r} is not one of {_type_name(tp)}; "
             f"set {key} to one of them"

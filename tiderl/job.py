@@ -11,14 +11,15 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiderl.agents.runner import episode_backend
+from tiderl.cluster import cell_layout
 from tiderl.config import RunConfig
 from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
-from tiderl.control.ers import Roles
+from tiderl.control.ers import initial_cells, make_planner
 from tiderl.control.metrics import MetricsSink
 from tiderl.control.progress import starvation_advice
 from tiderl.control.samples import SampleWriter
@@ -35,6 +36,10 @@ from tiderl.serving.weights import serving_weights
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
 from tiderl.train.ref_actor import dp_size
+
+if TYPE_CHECKING:
+    from tiderl.elastic import CellRuntime
+    from tiderl.train.backend import TrainerBackend
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,8 @@ class MicroBatcher:
     """Packs ready sequences; what does not fill a micro-batch waits for the next call."""
 
     def __init__(self, cfg: RunConfig, n_ranks: int, order: str):
+        # ERS changes `n_ranks` (the Actor's data-parallel width) and `order` between steps,
+        # when nothing waits here (a step's last call packs everything).
         self.cfg, self.n_ranks, self.order = cfg, n_ranks, order
         self.waiting: list[Any] = []
 
@@ -190,28 +197,105 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
-    # Engines on each rank's device or tensor-parallel cell; on several processes, remote
-    # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
-    ranks, sync_weights = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
+
+    async def make_rank(rank_id: int, device: Any, weights: Any, version: int) -> RolloutRank:
+        # The cast, the weight copy and the engine's setup run off the event loop. Engines
+        # serve the weights in the compute dtype (bf16 runs: half the bytes per decode step,
+        # same values; serving/weights.py).
+        import jax
+
+        def build_engine() -> Engine:
+            served = jax.device_put(serving_weights(weights, cfg.model), device)
+            return Engine(graphdef, served, cfg.model, rcfg, seed=cfg.seed, version=version)
+
+        rank = RolloutRank(rank_id, await asyncio.to_thread(build_engine),
+                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+        await rank.start()
+        return rank
+
+    order = "decoupled" if trainer.mode == "decoupled" else "colocated"
+    batcher = MicroBatcher(cfg, dp_size(meshes["actor"]), order)
+    colocated = bool({d for r in plan.rollout for d in r} & set(plan.actor))
+    ers_on, why_off = cfg.ers_enabled(colocated=colocated)
+    if site.world.size > 1 and ers_on:  # cells move inside one process's devices only
+        if cfg.controller.ers == "on":
+            raise ConfigError(f"config key 'controller.ers'='on' with {site.world.size} "
+                              "processes: elastic scaling moves cells within one process; "
+                              "set controller.ers=off (or auto) for a multi-host run")
+        ers_on, why_off = False, f"{site.world.size} processes"
+    runtime = None if colocated or site.world.size > 1 else cells_for(
+        cfg, plan, devices, trainer=trainer, batcher=batcher, make_rank=make_rank)
+    if ers_on and runtime is None:  # nothing to move (the checks above name why)
+        ers_on, why_off = False, "no cells"
+    if not ers_on:
+        log.info("elastic scaling off: %s", why_off)
+    pending_start: list[Any] = []  # ranks started inside the try below (closed by its finally)
+    if runtime is not None:
+        # Cells: one rank slot per device any cell may serve; slots no rank serves yet are
+        # dead in the scheduler. New weights go to every live rank (`sync_weights` below).
+        weights = await asyncio.to_thread(serving_weights, await trainer.export_weights_async(),
+                                          cfg.model)
+        cells, per_cell = runtime.initial, runtime.layout.ranks_per_cell
+        slots: list[Any] = [None] * (len(cells.roles) * per_cell)
+        for rank in await runtime.start_ranks(cells.cells("rollout"), weights, trainer.version):
+            slots[rank.rank_id] = rank
+        del weights
+    else:
+        # Engines on each rank's device or tensor-parallel cell; on several processes, remote
+        # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
+        site_ranks, site_sync = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
+        # A copy: the site's sync keeps its own list (slots is cleared once the manager holds
+        # the ranks).
+        slots, pending_start = list(site_ranks), list(site_ranks)
+        cells, per_cell = initial_cells([("rollout", len(slots)), ("trainer", 1)]), 1
+    ranks = [r for r in slots if r is not None]
     log.info("starting: trainer and %d rollout rank(s) ready (%.1fs); the first turns and the "
              "first step compile", len(ranks), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-    # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory);
-    # a rank on another process is budgeted at the configured rollout.num_pages.
-    capacities = [(r.engine.cfg if hasattr(r, "engine") else rcfg).num_pages * rcfg.page_size
-                  for r in ranks]
+    # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory); a
+    # rank on another process, or a slot no rank serves yet, is budgeted at the configured
+    # rollout.num_pages (a rank that joins later brings its own: RolloutManager.add_rank).
+    capacities = [(r.engine.cfg if r is not None and hasattr(r, "engine") else rcfg).num_pages
+                  * rcfg.page_size for r in slots]
     sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
+    for i, rank in enumerate(slots):
+        if rank is None:
+            sched.remove_rank(i)
     sched.cfg.check_group_size(cfg.env.group_size)
+    manager: RolloutManager | None = None
+
+    async def sync_weights(exported: Any, version: int) -> Any:
+        if runtime is None:
+            return await site_sync(exported, version)
+        import jax
+
+        live = [r for r in (manager.ranks if manager is not None else slots)
+                if r is not None and r.live and r.version != version]
+
+        def put() -> list[Any]:
+            served = serving_weights(exported, cfg.model)  # the compute dtype, as make_rank
+            return [jax.device_put(served, r.engine.device) for r in live]
+
+        # On the trainer's worker thread, one cast and copy after another: all cross-device
+        # work is issued from one thread in one order (and off the event loop: env I/O keeps
+        # flowing).
+        copies = await asyncio.wrap_future(trainer.call(put))
+        await asyncio.gather(*(r.update_weights(w, version)
+                               for r, w in zip(live, copies, strict=True)))
+        return None
 
     train_stream, eval_groups = task_streams(cfg.env, data_state)
 
     checkpoint = site.checkpoint(trainer, ckpt)
 
-    order = "decoupled" if trainer.mode == "decoupled" else "colocated"
-    hooks = Hooks(sync_weights=sync_weights,
-                  make_microbatches=MicroBatcher(cfg, dp_size(meshes["actor"]), order),
-                  checkpoint=checkpoint)
+    from tiderl.elastic import CompileWatch
+
+    hooks = Hooks(sync_weights=sync_weights, make_microbatches=batcher, checkpoint=checkpoint,
+                  apply_roles=runtime.apply_roles if runtime is not None else None,
+                  compile_stats=CompileWatch.stats)
+    planner = make_planner(ers_on, cfg.controller.elastic,
+                           ra2p_live=cfg.controller.mode == "tiderl" and cfg.trainer.mode == "auto")
     buffer = ReadinessBuffer(groups_per_microbatch=cfg.controller.groups_per_microbatch,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,
@@ -224,21 +308,23 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                           wandb_mode=c.wandb_mode, run_config=to_dict(cfg))
     summary: dict = {}
     try:
-        for r in ranks:
+        for r in pending_start:
             await r.start()
         system = cfg.controller.system_prompt or None
         env_cfg, _ = with_default_token(cfg.env)  # an exposed in-process server gets a token
         async with episode_backend(env_cfg, template, max_action_tokens=rcfg.max_action_tokens,
                                    temperature=rcfg.temperature, system=system) as (env, runner):
-            manager = RolloutManager(ranks, sched, env, template,
+            manager = RolloutManager(slots, sched, env, template,
                                      max_turns=cfg.env.max_turns, system=system,
                                      eval_temperature=cfg.controller.eval_temperature,
                                      runner=runner)
+            slots.clear()  # the manager holds the ranks now: a drained one is freed
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
-                buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
-                start_step=start_step, pending=data_state.get("pending", []),
+                buffer=buffer, planner=planner, cells=cells, ranks_per_cell=per_cell,
+                ref_mode=trainer.mode, start_step=start_step,
+                pending=data_state.get("pending", []),
                 samples=SampleWriter(run_dir, tok.decode, c.eval_samples),
                 advice=starvation_advice(cfg))
             try:
@@ -254,8 +340,9 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
             site.annotate(summary, ranks)
     finally:
         metrics.close()
-        for r in ranks:
-            await r.close()
+        for r in (manager.ranks if manager is not None else slots):
+            if r is not None:
+                await r.close()
         await site.finish(trainer, sys.exc_info()[1])  # several processes: theirs end here
         ckpt.wait()
         ckpt.close()
@@ -269,3 +356,27 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         summary["plots"] = [str(p) for p in plots]
         summary["report"] = str(write_report(run_dir, plots))
     return summary
+
+
+def cells_for(cfg: RunConfig, plan: Any, devices: list, *, trainer: TrainerBackend,
+              batcher: MicroBatcher, make_rank: Any) -> CellRuntime | None:
+    """The run's cells (None in sync mode, or when the roles are not whole cells: then
+    nothing can move and the RA2P mode stays fixed). The caller has ruled out a plan whose
+    rollout and training share devices."""
+    from tiderl.elastic import CellRuntime
+
+    if cfg.controller.mode == "sync":
+        return None
+    if cfg.rollout.devices_per_rank != 1:  # a cell's ranks are one device each
+        log.info("no cells: rollout.devices_per_rank=%d (tensor-parallel ranks stay put)",
+                 cfg.rollout.devices_per_rank)
+        return None
+    t = cfg.trainer
+    try:
+        layout = cell_layout(plan, t.fsdp * t.model_parallel)
+    except ConfigError as e:
+        log.info("no cells: %s", e)
+        return None
+    return CellRuntime(layout, devices, trainer=trainer, batcher=batcher, make_rank=make_rank,
+                       fsdp=t.fsdp, model_parallel=t.model_parallel)
+

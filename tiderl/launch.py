@@ -127,7 +127,7 @@ def build(cfg: RunConfig):
     import jax
 
     from tiderl.cells import device_plan_for
-    from tiderl.cluster import init_jax, role_meshes
+    from tiderl.cluster import compile_cache_dir, enable_compile_cache, init_jax, role_meshes
     from tiderl.distributed import initialize
     from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
@@ -136,6 +136,10 @@ def build(cfg: RunConfig):
         # Validate the plan before JAX starts when the device count is known up front.
         device_plan_for(cfg, world.size, cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
+    # Several processes (asked for, or found): no persistent cache (see compile_cache_dir).
+    enable_compile_cache(compile_cache_dir(
+        cfg.cluster, cfg.run_dir,
+        processes=max(world.size, cfg.distributed.num_processes, jax.process_count())))
     plan = device_plan_for(cfg, world.size, len(devices) // world.size, devices[0].platform)
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
@@ -296,6 +300,9 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        ("role changes (ERS) → cells rollout/trainer/Ref",
+         f"{s.get('role_changes', 0)} → {s.get('rollout_cells')}/{s.get('trainer_cells')}/"
+         f"{s.get('ref_cells')}"),
         *[(f"{label} (last step)", s["last"][key]) for label, key in (
             ("policy loss", "pg_loss"), ("entropy", "entropy"),
             ("response tokens", "response_len_mean"), ("turns per episode", "turns_mean"))

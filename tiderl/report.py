@@ -1,9 +1,10 @@
 """`python -m tiderl.report RUN_DIR`: PNG plots and a one-page `report.md` of a run from its
 metrics.jsonl. No JAX.
 
-Writes RUN_DIR/plots/{reward, waits, goodput, loss, entropy, lengths, optim, timeline}.png
-(each curve only when the records carry it: older runs get fewer plots), RUN_DIR/report.md
-(the summary table and the plots) and prints the summary.
+Writes RUN_DIR/plots/{reward, waits, goodput, loss, entropy, lengths, optim, timeline,
+roles}.png (each curve only when the records carry it: older runs get fewer plots; roles.png is
+the ERS role timeline, for runs that log cells per role), RUN_DIR/report.md (the summary table
+and the plots) and prints the summary.
 """
 
 from __future__ import annotations
@@ -58,7 +59,40 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     paths += _training_plots(plt, steps, out)
     if path := _timeline(plt, steps, out):
         paths.append(path)
+    if roles := write_roles_plot(records, out / "roles.png"):
+        paths.append(roles)
     return paths
+
+
+def write_roles_plot(records: list[dict], path: Path) -> Path | None:
+    """The role timeline: cells per role after each step's boundary (stacked), with every
+    role change marked by its rule (cold_start, consumption, generation, eval, ...)."""
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in records if r.get("kind") == "step" and "rollout_cells" in r]
+    if not steps:
+        return None
+    changes = [r for r in records if r.get("kind") == "role_change"]
+    xs = [r["step"] for r in steps]
+    ys = [[r.get(f"{role}_cells", 0) for r in steps] for role in ("rollout", "trainer", "ref")]
+    first = next((c for c in changes if c["step"] == 0), None)
+    if first is not None:  # the configured layout, then the cold-start plan before step 1
+        xs = [-1, 0, *xs]
+        for y, role in zip(ys, ("rollout", "trainer", "ref"), strict=True):
+            y[:0] = [len(first.get("before", first["cells"]).get(role, [])),
+                     len(first["cells"].get(role, []))]
+    xs.append(xs[-1] + 1)  # the last boundary's roles hold for the next step
+    for y in ys:
+        y.append(y[-1])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.stackplot(xs, *ys, labels=["rollout", "trainer", "Ref"], step="post", alpha=0.8)
+    for c in changes:
+        ax.axvline(c["step"], color="k", lw=0.6, alpha=0.5)
+        ax.text(c["step"], sum(y[0] for y in ys) * 1.01, c.get("rule", ""), rotation=90,
+                fontsize=7, va="bottom", ha="right")
+    ax.set_ylim(0, sum(y[0] for y in ys) * 1.35)
+    return _save(fig, ax, path, "step (roles after its boundary)", "cells",
+                 f"Roles over the run ({len(changes)} changes)")
 
 
 def _series(steps: Sequence[dict], key: str) -> tuple[list[float], list[float]]:

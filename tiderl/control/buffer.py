@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from tiderl.serving.rollout import Trajectory
+from tiderl.train import ra2p
 from tiderl.train.advantages import group_advantages
 from tiderl.train.dispatch import Trajectory as TrainSeq
 
@@ -37,29 +38,65 @@ class ReadyGroup:
 
 @dataclasses.dataclass
 class Readiness:
-    """Signals at the start of a step and over it (arXiv 2608.10402, §5)."""
+    """Readiness signals of one step (arXiv 2608.10402, §5): at its start, over it, and at the
+    boundary after its update (where ERS plans). Times in seconds of the controller's clock."""
 
     ras: int = 0
-    """Ready-at-start: micro-batches of work ready when the step began."""
-    tprm: float = float("inf")
-    """Mean seconds between further micro-batches becoming ready during the step."""
+    """Ready-at-Start: micro-batches of work ready when the step began."""
+    ready_times: list[float] = dataclasses.field(default_factory=list)
+    """Per micro-batch the step consumed: when it became ready, relative to the step start
+    (≤ 0: ready at start). A micro-batch is ready when its last group is."""
+    tprm: float = float("nan")
+    """Time Per Ready Micro-batch observed in this step (mean post-start gap; 0 if all were
+    ready at start)."""
+    tprm_ema: float = float("nan")
+    """TPRM measured live: an exponentially weighted mean of the gaps between micro-batches
+    becoming ready during steps, updated as they arrive (what the next step is planned with)."""
     hol_s: float = 0.0
-    """Age of the oldest ready group when the step began."""
+    """Head-of-line latency at the boundary: age of the oldest ready group."""
+    hol_limit_s: float = float("inf")
+    """τ·T_step, the head-of-line threshold (T_step: the mean step duration)."""
+    ras_next: int = 0
+    """Micro-batches ready at the boundary (the next step's RAS if it began now)."""
+    volume_next: int = 0
+    """Groups ready at the boundary."""
+    twt_frac: float = 0.0
+    rwt_frac: float = 0.0
+    break_even_ras: int = 0
+    """RAS from which decoupled RA2P beats colocated (cost model, live phase times)."""
+    above_break_even: bool = False
     generation_deficit: bool = False
+    """The next batch is short of B_ideal and the trainer waited for data this step."""
     consumption_deficit: bool = False
+    """Data waited for the trainer: head-of-line latency over τ·T_step, or rollout throttled."""
+    deficit_reason: str = ""
+    gen_rate: float = float("nan")
+    """Trainable groups per second (exponentially weighted over boundaries)."""
+
+    def record(self) -> dict[str, Any]:
+        """The fields `metrics.jsonl` carries per step."""
+        return {"ras": self.ras, "tprm_s": self.tprm, "tprm_ema_s": self.tprm_ema,
+                "hol_s": self.hol_s, "hol_limit_s": self.hol_limit_s, "ras_next": self.ras_next,
+                "ready_next": self.volume_next, "ready_times": [round(a, 4)
+                                                                for a in self.ready_times],
+                "break_even_ras": self.break_even_ras,
+                "generation_deficit": self.generation_deficit,
+                "consumption_deficit": self.consumption_deficit,
+                "above_break_even": self.above_break_even,
+                "deficit_reason": self.deficit_reason, "gen_rate": self.gen_rate}
 
 
 class ReadinessBuffer:
     """Holds ready groups in arrival order and accounts for everything it drops."""
 
     def __init__(self, *, groups_per_microbatch: int, max_staleness: int, min_ok_per_group: int,
-                 zero_var: str = "drop", adv_eps: float = 1e-6, hol_tau: float = 1.0):
+                 zero_var: str = "drop", adv_eps: float = 1e-6, ema: float = 0.3):
         self.groups_per_microbatch = groups_per_microbatch
         self.max_staleness = max_staleness
         self.min_ok = min_ok_per_group
         self.zero_var = zero_var
         self.adv_eps = adv_eps
-        self.hol_tau = hol_tau
+        self.ema = ema
         self.ready: deque[ReadyGroup] = deque()
         self.dropped: Counter[str] = Counter()
         self.drops_in_a_row = 0
@@ -67,8 +104,13 @@ class ReadinessBuffer:
         self.failed_tasks: Counter[str] = Counter()
         self.staleness_hist: Counter[int] = Counter()
         self._uids = itertools.count()
-        self._arrivals: list[float] = []
         self._step_t0: float | None = None
+        self._in_step = 0  # trainable groups that arrived during the current step
+        self._last_mb_t = 0.0
+        self.tprm_ema = float("nan")
+        self.gen_rate = float("nan")
+        self._arrived = 0  # trainable groups since the last boundary
+        self._last_boundary: float | None = None
 
     # -- producer side -------------------------------------------------------------------------
     def add_group(self, trajs: Sequence[Trajectory], *, now: float) -> ReadyGroup | None:
@@ -99,29 +141,80 @@ class ReadinessBuffer:
                        reward_mean=float(np.mean([t.reward for t in ok])))
         self.ready.append(g)
         self.drops_in_a_row = 0
+        if self._last_boundary is None:
+            self._last_boundary = now  # the generation rate is measured from here
+        self._arrived += 1
         if self._step_t0 is not None:
-            self._arrivals.append(now)
+            self._in_step += 1
+            if self._in_step % self.groups_per_microbatch == 0:  # a micro-batch became ready
+                self.tprm_ema = _ema(self.tprm_ema, now - self._last_mb_t, self.ema)
+                self._last_mb_t = now
         return g
 
     # -- consumer side -------------------------------------------------------------------------
-    def begin_step(self, now: float, *, step_time: float, batch_ideal: int) -> Readiness:
+    def begin_step(self, now: float) -> Readiness:
         """Snapshot of the readiness signals as a training step starts."""
-        self._step_t0 = now
-        self._arrivals = []
-        ras = len(self.ready) // self.groups_per_microbatch
-        hol = now - self.ready[0].ready_at if self.ready else 0.0
-        return Readiness(
-            ras=ras, hol_s=hol,
-            generation_deficit=len(self.ready) < batch_ideal,
-            consumption_deficit=bool(step_time) and hol > self.hol_tau * step_time,
-        )
+        self._step_t0 = self._last_mb_t = now
+        self._in_step = 0
+        if self._last_boundary is None:
+            self._last_boundary = now
+        return Readiness(ras=len(self.ready) // self.groups_per_microbatch)
 
-    def end_step(self, r: Readiness) -> Readiness:
-        """Adds TPRM (seconds per micro-batch that became ready during the step)."""
-        n_mb = len(self._arrivals) / self.groups_per_microbatch
-        if n_mb >= 1 and self._step_t0 is not None:
-            r.tprm = (self._arrivals[-1] - self._step_t0) / n_mb
+    def end_step(self, r: Readiness, taken: Sequence[ReadyGroup]) -> Readiness:
+        """Adds the step's micro-batch ready times and its TPRM (the update is done)."""
+        t0 = self._step_t0 if self._step_t0 is not None else 0.0
+        gpm = self.groups_per_microbatch
+        at = sorted(g.ready_at for g in taken)
+        r.ready_times = [at[min(k + gpm, len(at)) - 1] - t0 for k in range(0, len(at), gpm)]
+        r.tprm = ra2p.tprm(r.ready_times) if r.ready_times else float("nan")
         self._step_t0 = None
+        return r
+
+    def boundary(self, r: Readiness, now: float, *, step_time: float, step_time_mean: float,
+                 twt: float, rwt: float, batch_ideal: int, tau: float, wait_frac: float,
+                 break_even_ras: int, uses_ref: bool,
+                 rwt_span: float | None = None) -> Readiness:
+        """The signals ERS plans with, right after the update (before the weight sync).
+
+        Consumption deficit: the oldest ready group has waited longer than τ·T_step, or
+        rollout sat throttled (RWT) for more than `wait_frac` of the step. Generation deficit:
+        fewer than B_ideal groups are ready for the next step and the trainer waited (TWT) for
+        more than `wait_frac` of this one. RAS at or above the RA2P break-even (with a Ref
+        forward to run) is reported apart: it asks for a decoupled Ref, not a wider trainer."""
+        gpm = self.groups_per_microbatch
+        if self._last_boundary is not None and now > self._last_boundary:
+            self.gen_rate = _ema(self.gen_rate, self._arrived / (now - self._last_boundary),
+                                 self.ema)
+        self._last_boundary, self._arrived = now, 0
+        r.gen_rate = self.gen_rate
+        r.tprm_ema = self.tprm_ema
+        r.hol_s = now - self.ready[0].ready_at if self.ready else 0.0
+        t_step = step_time_mean or step_time
+        r.hol_limit_s = tau * t_step if t_step > 0 else float("inf")
+        r.volume_next = len(self.ready)
+        r.ras_next = len(self.ready) // gpm
+        span = max(step_time, 1e-9)
+        # RWT accrues from one boundary to the next (a slow weight sync throttles rollout
+        # too), so it is a share of that interval; TWT is a share of the step.
+        r.twt_frac = twt / span
+        r.rwt_frac = rwt / max(rwt_span or step_time, span)
+        r.break_even_ras = break_even_ras
+        r.above_break_even = uses_ref and r.ras_next >= max(1, break_even_ras)
+        con, gen = [], []
+        if r.hol_s > r.hol_limit_s:
+            con.append(f"head-of-line {r.hol_s:.2f}s > τ·T_step {r.hol_limit_s:.2f}s")
+        if r.rwt_frac > wait_frac:
+            con.append(f"rollout throttled {rwt:.2f}s = {r.rwt_frac:.0%} of the interval "
+                       "since the last boundary")
+        if r.volume_next < batch_ideal and r.twt_frac > wait_frac:
+            gen.append(f"{r.volume_next} of B_ideal={batch_ideal} groups ready, trainer "
+                       f"waited {twt:.2f}s = {r.twt_frac:.0%} of the step")
+        r.consumption_deficit = bool(con) and not gen
+        r.generation_deficit = bool(gen) and not con
+        if r.above_break_even:
+            con.append(f"RAS {r.ras_next} ≥ break-even {break_even_ras}")
+        r.deficit_reason = "; ".join(gen if r.generation_deficit else con if (
+            r.consumption_deficit or r.above_break_even) else [])
         return r
 
     def take(self, n: int, *, train_version: int) -> list[ReadyGroup]:
@@ -144,3 +237,7 @@ class ReadinessBuffer:
         return {"ready_groups": len(self.ready), "dropped": dict(self.dropped),
                 "failed_tasks": dict(self.failed_tasks),
                 "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+
+
+def _ema(old: float, value: float, alpha: float) -> float:
+    return value if old != old else (1 - alpha) * old + alpha * value  # old NaN: first value

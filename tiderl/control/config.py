@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from tiderl.configlib import ConfigError
+from tiderl.control.ers import ERSConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,15 @@ class ControllerConfig:
     system_prompt: str = ""
     """System turn before each task's first observation ('' for none); needs a turn template
     with a system role (ChatML, Llama 3), not the byte tokenizer's."""
+    ers: Literal["auto", "on", "off"] = "auto"
+    """Elastic Resource Scaling: cells move between rollout, trainer and Ref at sync boundaries
+    by readiness (tiderl/control/ers.py). auto: on in `tiderl` mode, off in the baselines."""
+    elastic: ERSConfig = dataclasses.field(default_factory=ERSConfig)
+    """ERS bounds and hysteresis, and τ (also the elastic batch's wait budget)."""
+
+    @property
+    def ers_on(self) -> bool:
+        return self.ers == "on" or self.ers == "auto" and self.mode == "tiderl"
 
     def __post_init__(self):
         for name in ("steps", "groups_per_step", "groups_per_microbatch", "keep_checkpoints",
@@ -96,6 +106,11 @@ class ControllerConfig:
         if self.min_groups_per_step > self.groups_per_step:
             raise ConfigError("config key 'controller.min_groups_per_step' must not exceed "
                               "controller.groups_per_step (B_min ≤ B_ideal)")
+        if self.ers == "on" and self.mode == "sync":
+            raise ConfigError("config key 'controller.ers'='on' with controller.mode='sync': "
+                              "sync alternates rollout and training on the same devices, so "
+                              "there are no cells to move; set controller.ers=off or another "
+                              "mode")
         if self.progress_every_s <= 0:
             raise ConfigError("config key 'controller.progress_every_s' must be positive")
         if "jsonl" not in self.loggers:

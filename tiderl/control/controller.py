@@ -17,6 +17,17 @@ this one loop:
 
 Evaluation every K steps: eval groups start right after the sync of step i's weights, at top
 priority, and the next sync waits for them, so they run entirely on step i's weights.
+
+Readiness-aware control (arXiv 2608.10402, §5.2) sits at the boundary after each update and
+before the weight sync: the buffer's signals (RAS, live TPRM, head-of-line latency against
+τ·T_step, deficits), the RA2P cost model's advice for the next step (`advise_mode` on predicted
+ready times) and its break-even RAS go to the planner (`tiderl.control.ers`); a plan that moves
+cells is carried out by `tiderl.control.roles.RoleSwitch` through `Hooks.apply_roles`
+(`tiderl.control.boundary` holds that part of the controller). The
+trainer consumes an elastic batch in [B_min, B_ideal]: once it holds B_min it stops waiting
+when the wait would pass τ·T_step, and while rollout cannot sustain the trainer's consumption
+it fetches toward B_min and leaves a micro-batch ready for the next step (adaptive data
+retention).
 """
 
 from __future__ import annotations
@@ -28,11 +39,20 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from tiderl.control.boundary import ReadinessAware
 from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
-from tiderl.control.ers import KeepSplit, Planner, Roles
+from tiderl.control.ers import (
+    CellMap,
+    KeepSplit,
+    Planner,
+    RoleChange,
+    RoleChangeResult,
+    initial_cells,
+)
 from tiderl.control.metrics import MetricsSink, trajectory_metrics
 from tiderl.control.progress import snapshot
+from tiderl.control.roles import RoleSwitch
 from tiderl.control.samples import SampleWriter
 from tiderl.control.starvation import Starvation, Starved
 from tiderl.serving.rollout import RolloutManager
@@ -100,13 +120,20 @@ class Hooks:
     """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
     checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
     """Saves the trainer state at a step with the task-stream state."""
+    apply_roles: Callable[[RoleChange, Any], Awaitable[RoleChangeResult]] | None = None
+    """Carries out a role change at a sync boundary (see `tiderl.control.ers`); None: roles
+    stay as they are."""
+    compile_stats: Callable[[], dict] | None = None
+    """Cumulative compilation counters ({"compiles", "compile_s"}); role-change records and
+    step records report their deltas."""
 
 
-class Controller:
+class Controller(ReadinessAware):
     def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
                  hooks: Hooks, train_stream: TaskStreamPort,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
-                 planner: Planner | None = None, roles: Roles | None = None,
+                 planner: Planner | None = None, cells: CellMap | None = None,
+                 ranks_per_cell: int = 1, ref_mode: str | None = None,
                  start_step: int = 0, pending: Sequence[int] = (),
                  samples: SampleWriter | None = None, advice: str = ""):
         self.cfg = cfg
@@ -118,7 +145,18 @@ class Controller:
         self.metrics = metrics
         self.buffer = buffer
         self.planner = planner or KeepSplit()
-        self.roles = roles or Roles(len(manager.ranks), 1, 0)
+        cells = cells or initial_cells([("rollout", len(manager.ranks)), ("trainer", 1)])
+        self.roles = RoleSwitch(
+            manager=manager, cells=cells, ranks_per_cell=ranks_per_cell,
+            ref_mode=ref_mode or ("decoupled" if cells.count("ref") else "colocated"),
+            apply_roles=hooks.apply_roles, compile_stats=hooks.compile_stats,
+            log_record=metrics.log, clock=self.now)
+        self._fetch = cfg.groups_per_step
+        """This step's fetch target in [B_min, B_ideal] (adaptive data retention)."""
+        self._t_group: float | None = None
+        """Trainer compute seconds per group (exponentially weighted)."""
+        self._advice: Any = None
+        self._compiles_at = self._compile_stats()
         self.step = start_step
         self._step0 = start_step
         self.version = trainer.version
@@ -262,8 +300,9 @@ class Controller:
                 raise _TimeUp from None
 
     # -- training side ---------------------------------------------------------------------------
-    async def _wait_ready(self, n: int) -> float:
-        """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
+    async def _wait_ready(self, n: int, within: float | None = None) -> float:
+        """Waits until `n` groups are ready (or no more can come, or `within` seconds passed);
+        returns seconds waited."""
         t0 = self.now()
         self.starvation.begin_wait(t0)
         while len(self.buffer) < n:
@@ -272,7 +311,16 @@ class Controller:
             if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()
-            await self._wait(self._ready, starving=True)
+            if within is None:
+                await self._wait(self._ready, starving=True)
+            else:
+                left = t0 + within - self.now()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._wait(self._ready, starving=True), left)
+                except TimeoutError:
+                    break
             self._warn_if_starved()
         return self.now() - t0
 
@@ -287,22 +335,27 @@ class Controller:
 
     async def _train_step(self) -> dict:
         c = self.cfg
-        r = self.buffer.begin_step(self.now(), step_time=self._step_time,
-                                   batch_ideal=c.groups_per_step)
+        r = self.buffer.begin_step(self.now())
         t_step = self.now()
         self._t_train_start = t_step
         twt = 0.0
         taken: list[ReadyGroup] = []
         submitted = 0
         b_min = c.min_groups_per_step or c.groups_per_step
+        target = max(b_min, min(self._fetch, c.groups_per_step))
         streaming = c.mode in ("tiderl", "stream")
-        while len(taken) < c.groups_per_step:
-            need = c.groups_per_step - len(taken)
+        while len(taken) < target:
+            need = target - len(taken)
             want = min(need, c.groups_per_microbatch) if streaming else need
-            if len(taken) >= b_min and len(self.buffer) == 0:
-                break  # elastic batch: B_min reached and nothing more is ready
+            within = None
+            if len(taken) >= b_min:
+                # Elastic batch: B_min is in hand; wait for more only while the step stays
+                # within τ·T_step of its start (the first step has no T_step: no waiting).
+                within = t_step + c.elastic.tau * self._step_time - self.now()
+                if len(self.buffer) == 0 and within <= 0:
+                    break
             try:
-                waited = await self._wait_ready(want)
+                waited = await self._wait_ready(want, within)
             except _TimeUp:
                 if not taken:
                     raise
@@ -319,7 +372,7 @@ class Controller:
             taken += groups
             self._taken = taken
             seqs = [s for g in groups for s in g.seqs]
-            final = len(taken) >= c.groups_per_step
+            final = len(taken) >= target
             for mb in self.hooks.make_microbatches(seqs, final):
                 self.trainer.submit(mb)
                 submitted += 1
@@ -334,9 +387,13 @@ class Controller:
         self._phase = "training"
         m = await self.trainer.finish_step_async()
         self._taken = []
-        r = self.buffer.end_step(r)
+        r = self.buffer.end_step(r, taken)
         step_time = self.now() - t_step
-        self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
+        # T_step, the mean duration of a full step (B_ideal groups): a step that ended early
+        # at B_min counts as its time per group scaled up, so the elastic batch's wait budget
+        # and the head-of-line threshold do not shrink with the batch.
+        full = step_time * c.groups_per_step / max(1, len(taken))
+        self._step_time = full if not self._step_time else 0.7 * self._step_time + 0.3 * full
         twt += float(m.get("time_wait", 0.0))
         finite = all(math.isfinite(float(m.get(k, 0.0))) for k in ("loss", "grad_norm"))
         if finite and not m.get("skipped", False):
@@ -392,6 +449,7 @@ class Controller:
         c = self.cfg
         self._t0 = self.starvation.last_trainable = self.now()
         self.last_eval = float("nan")
+        await self._cold_start()
         self._ticker = asyncio.create_task(self._tick(), name="progress")
         stop: StarvedStop | None = None
         if c.mode != "sync":
@@ -438,13 +496,7 @@ class Controller:
                 self._phase = "eval"
                 await self._await_eval()
                 self._phase = "sync"
-                t_sync = self.now()
-                plan = self.planner.plan(out["readiness"], self.roles)
-                self.roles = plan.roles
-                synced = await self.hooks.sync_weights(
-                    await self.trainer.export_weights_async(), self.version)
-                out["sync"] = synced if isinstance(synced, dict) else {}
-                sync_s = self.now() - t_sync
+                sync_s = await self._boundary(out)
                 self._changed.set()
                 if c.mode == "sync":
                     self.rwt += out["step_time"] + sync_s
@@ -486,6 +538,7 @@ class Controller:
             await self._await_eval()
             if evaluating:
                 await self._evaluate(self.step, self.version)
+        self.roles.finish_pending()
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
@@ -540,11 +593,9 @@ class Controller:
             "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
             **({"t_rollout_start": self._t_roll[0] - self._t0,
                 "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),
-            "ras": r.ras, "tprm_s": r.tprm, "hol_s": r.hol_s,
-            "generation_deficit": r.generation_deficit,
-            "consumption_deficit": r.consumption_deficit,
+            **r.record(),
             "staleness_mean": _mean_staleness(taken, self.version - 1),
-            "rollout_ranks": self.roles.rollout_ranks, "trainer_ranks": self.roles.trainer_ranks,
+            **self._roles_record(out),
             "nonfinite_skipped": self.nonfinite_total,
             "eval_success": self.last_eval,
             **{k: v for k, v in m.items() if isinstance(v, (int, float, str))},
@@ -561,7 +612,8 @@ class Controller:
         self.index_of = {g: k for g, k in self.index_of.items() if g in live}
 
     def _summary(self) -> dict:
-        return {**self.metrics.summary.result(), "ended": self.end_reason}
+        return {**self.metrics.summary.result(), **self.roles.summary(),
+                "ended": self.end_reason}
 
 
 def _tagged(group: dict, tag: str, size: int | None = None) -> dict:

@@ -147,10 +147,29 @@ class RolloutRank:
         self._wake.set()
         if self._runner is not None:
             await asyncio.gather(self._runner, return_exceptions=True)
+        # Requests the loop never reached are answered here, so nobody awaits them forever: a
+        # release gets its task's handle (host data), a weight update has nothing left to do.
+        ops, self._ops = self._ops, []
+        for op, arg in ops:
+            if op == "release" and not arg[1].done():
+                arg[1].set_result(self._snapshot(arg[0], evict=False))
+            elif op == "weights" and not arg[2].done():
+                arg[2].set_result(None)
         handed = {tid: self._snapshot(self.tasks.pop(tid), evict=False)
                   for tid in list(self.tasks)}
         self._pool.shutdown(wait=True)
         return handed
+
+    async def drain(self) -> dict[int, Handoff]:
+        """Leaves rollout (ERS): the turns in flight here finish, then the loop stops and every
+        task still held here is handed back (`close`). The caller has stopped sending turns
+        (the scheduler took the rank out), so none start meanwhile."""
+        while busy := [t.future for t in self.tasks.values()
+                       if t.future is not None and not t.future.done()]:
+            if not self.live:
+                break
+            await asyncio.wait(busy, timeout=1.0)
+        return await self.close()
 
     # -- the caller's API (event-loop thread) ---------------------------------------------------
     @property

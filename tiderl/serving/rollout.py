@@ -14,6 +14,10 @@ engine raises is quarantined (`RankFailedError`), its tasks resume on the other 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
 holds it: the handle, the tokens that rank never prefilled, or the turn that finished there.
+
+Elastic scaling reuses that path: `drain_rank` takes a rank out of the scheduler (its tasks
+resume elsewhere, cache-free), lets the turns in flight there finish, stops it and keeps each
+task's `Handoff` for its next turn; `add_rank` revives a rank slot with a fresh rank.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tiderl.envs.protocol import EndReason
 from tiderl.envs.templates import Transcript, TurnTemplate
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
 from tiderl.serving.pages import Prefix, StopReason
-from tiderl.serving.rank import RankFailedError, RolloutRank, TurnResult
+from tiderl.serving.rank import Handoff, RankFailedError, RankStats, RolloutRank, TurnResult
 
 log = logging.getLogger(__name__)
 
@@ -100,16 +104,22 @@ class _Episode:
     """The rank that holds the task's handle (and maybe its KV); a move takes it from there."""
     session: str = ""
     env_paused: bool = False
+    handoff: Handoff | None = None
+    """Taken from a rank that was drained and stopped; the next turn starts from it."""
 
 
 class RolloutManager:
     """Runs episodes on rollout ranks under CTB (or the vanilla policy) against an env server."""
 
-    def __init__(self, ranks: Sequence[RolloutRank], scheduler: CTBScheduler | VanillaScheduler,
+    def __init__(self, ranks: Sequence[RolloutRank | None],
+                 scheduler: CTBScheduler | VanillaScheduler,
                  env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None,
                  eval_temperature: float | None = 0.0,
                  runner: Callable[[RolloutManager, _Episode], Awaitable[Trajectory]] | None = None):
         self.ranks = list(ranks)
+        """Rank slot → its rank (None: a slot no rank serves now; the scheduler has it dead)."""
+        self.retired = RankStats()
+        """Counters of ranks drained away (stats stay cumulative over the run)."""
         self.sched = scheduler
         scheduler.horizon_turns = max_turns
         self.env = env
@@ -166,6 +176,45 @@ class RolloutManager:
             for ep in self.episodes.values():
                 ep.wake.set()
             return
+        self.kick()
+
+    async def drain_rank(self, rank: int) -> dict[str, int]:
+        """Takes a healthy rank out of rollout (ERS): no new work goes there, its tasks resume
+        on the other ranks with a fresh prefill, the turns in flight there finish, and each
+        task still held there keeps its `Handoff` for its next turn. The slot is then empty."""
+        r = self.ranks[rank] if rank < len(self.ranks) else None
+        if r is None:
+            return {"tasks": 0, "handoffs": 0}
+        moved = [] if rank in self.sched.dead else self.sched.remove_rank(rank)
+        for tid in moved:
+            ep = self.episodes[tid]
+            ep.rank = None  # its handle stays with `holder` until drained or taken
+            ep.wake.clear()
+        if self.sched.live_ranks():
+            self.kick()
+        handed = await r.drain()
+        by_key = {ep.key: ep for ep in self.episodes.values() if ep.holder == rank}
+        for key, h in handed.items():
+            if key in by_key:
+                by_key[key].handoff = h
+        for ep in by_key.values():  # the rest took theirs already (a release during the drain)
+            ep.holder = None
+        for f in dataclasses.fields(RankStats):
+            setattr(self.retired, f.name, getattr(self.retired, f.name) + getattr(r.stats, f.name))
+        self.ranks[rank] = None
+        return {"tasks": len(moved), "handoffs": len(handed)}
+
+    def add_rank(self, rank: RolloutRank) -> None:
+        """A started rank joins rollout in its slot (`rank.rank_id`), empty."""
+        i = rank.rank_id
+        if i < len(self.ranks) and self.ranks[i] is not None:
+            raise ValueError(f"rollout rank slot {i} is taken; drain it first")
+        self.ranks += [None] * (i + 1 - len(self.ranks))
+        self.ranks[i] = rank
+        # Its engine's own pool (rollout.kv_memory_fraction sizes it); engines without a
+        # config (the simulator's) keep the slot's capacity.
+        ecfg = getattr(getattr(rank, "engine", None), "cfg", None)
+        self.sched.add_rank(i, ecfg.num_pages * ecfg.page_size if ecfg is not None else None)
         self.kick()
 
     # -- episodes -------------------------------------------------------------------------------
@@ -317,8 +366,12 @@ class RolloutManager:
         given = False  # this turn's tokens reached `ep.holder`
         while True:
             rank = await self._active(ep)
-            if ep.holder is not None and ep.holder != rank.rank_id:
+            h = None
+            if ep.handoff is not None:  # its rank was drained: the handle is here already
+                h, ep.handoff = ep.handoff, None
+            elif ep.holder is not None and ep.holder != rank.rank_id:
                 h = await self.ranks[ep.holder].release(ep.key)
+            if h is not None:
                 ep.holder = None
                 self.decisions["migrate"] += 1
                 prefix = h.prefix
@@ -351,7 +404,7 @@ class RolloutManager:
 
     def _close(self, ep: _Episode) -> None:
         tid = ep.task.task_id
-        if ep.holder is not None:
+        if ep.holder is not None and self.ranks[ep.holder] is not None:
             self.ranks[ep.holder].finish(ep.key)
         self.sched.finish(tid)
         self.episodes.pop(tid, None)
@@ -359,19 +412,21 @@ class RolloutManager:
 
     # -- metrics --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        prompt = sum(r.stats.prompt_tokens for r in self.ranks)
-        cached = sum(r.stats.cached_tokens for r in self.ranks)
+        live = [r for r in self.ranks if r is not None]
+        every = [r.stats for r in live] + [self.retired]
+        prompt = sum(s.prompt_tokens for s in every)
+        cached = sum(s.cached_tokens for s in every)
         return {
             "kv_hit_rate": cached / max(1, prompt),
             "prompt_tokens": prompt,
             "cached_tokens": cached,
-            "computed_tokens": sum(r.stats.computed_tokens for r in self.ranks),
-            "decode_tokens": sum(r.stats.decode_tokens for r in self.ranks),
-            "forced_evictions": sum(r.stats.forced_evictions for r in self.ranks),
+            "computed_tokens": sum(s.computed_tokens for s in every),
+            "decode_tokens": sum(s.decode_tokens for s in every),
+            "forced_evictions": sum(s.forced_evictions for s in every),
             "decisions": dict(self.decisions),
             "end_reasons": dict(self.end_reasons),
             "tasks_submitted": self.submitted,
             "tasks_ended": sum(self.end_reasons.values()),
             "tasks_live": len(self.episodes),
-            "per_rank": [{**r.kv_stats(), "hit_rate": r.stats.kv_hit_rate} for r in self.ranks],
+            "per_rank": [{**r.kv_stats(), "hit_rate": r.stats.kv_hit_rate} for r in live],
         }

@@ -205,7 +205,8 @@ class TaskTable:
         self.admission_limit = n
 
     def remove_rank(self, rank: int) -> list[str]:
-        """Quarantines `rank`; its tasks become paused with no residency (they re-prefill)."""
+        """Takes `rank` out (quarantined, or drained by ERS); its tasks become paused with no
+        residency (they re-prefill elsewhere)."""
         self.dead.add(rank)
         moved = []
         for t in self.tasks.values():
@@ -214,6 +215,18 @@ class TaskTable:
                 self._move(t, "paused", None)
                 moved.append(t.task_id)
         return moved
+
+    def add_rank(self, rank: int, capacity: int | None = None) -> None:
+        """Revives rank slot `rank` (ERS gave its cell back to rollout; it starts empty), with
+        the KV `capacity` (tokens) of the engine that now serves it when given."""
+        if not 0 <= rank < len(self.capacity):
+            raise ValueError(f"rank {rank} has no slot (the scheduler has "
+                             f"{len(self.capacity)}); size it for every rank a cell can serve")
+        if capacity is not None:
+            self.capacity[rank] = int(capacity)
+        if rank in self.dead:
+            self.dead.discard(rank)
+            self._dirty[rank] = True
 
     def flush(self) -> None:
         """Weight sync: every rank's KV is stale, so paused tasks lose their residency."""

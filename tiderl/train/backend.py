@@ -25,9 +25,14 @@ With `trainer.kl_coef = 0` the loss has no KL term, so the Ref forward is skippe
 (a zero placeholder stands for its logprobs; no Ref phase, alternation or swap is counted), as
 verl does without a KL loss.
 
-`advise_mode(ready_times)` runs the RA2P cost model (train/ra2p.py) on measured phase times;
-`set_ref_mesh(mesh | None)` switches mode between steps (ERS decides; the Ref params move with
-`jax.device_put`). Metrics of `finish_step` carry per-phase times (wait, ref, actor_fwd,
+`advise_mode(ready_times)` runs the RA2P cost model (train/ra2p.py) on measured phase times
+(exponentially weighted per micro-batch; decoupled phases are timed by completion on a watcher
+thread, `phase_clock.py`, so the pipeline is never serialised to measure it);
+`set_ref_mesh(mesh | None)` switches mode between steps and `set_meshes(actor, ref)` also
+changes the Actor's data-parallel width (ERS: a cell joins or leaves the trainer). The state
+moves with `jax.device_put` (params and optimizer state are replicated over `data`, so a wider
+mesh receives one replica's shards; a narrower one keeps a subset), and each (Actor, Ref) mesh
+pair keeps its compiled kernels: returning to a mesh seen before compiles nothing. Metrics of `finish_step` carry per-phase times (wait, ref, actor_fwd,
 actor_bwd, swap, apply), swaps (model moves) and alternations (Ref/Actor phase changes).
 """
 
@@ -55,6 +60,7 @@ from tiderl.train import ra2p
 from tiderl.train.config import TrainerConfig
 from tiderl.train.dispatch import MicroBatch
 from tiderl.train.grpo import LossSpec, normalizer
+from tiderl.train.phase_clock import PhaseClock
 from tiderl.train.ref_actor import (
     batch_sharding,
     dp_size,
@@ -72,7 +78,7 @@ PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply")
 
 
 _KERNELS: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-MAX_KERNEL_SETS = 8
+MAX_KERNEL_SETS = 16
 """Compiled kernel sets kept per process (least recently used dropped first): a long run that
 switches modes or meshes must not accumulate executables."""
 
@@ -143,8 +149,10 @@ class TrainerBackend:
         self._error: BaseException | None = None
         self._cost_ema: dict[str, float] = {}
         self._last_role: Role | None = None
+        self._clock = PhaseClock()
 
-    def _bind(self, ref_mesh: Mesh | None) -> None:
+    def _bind(self, ref_mesh: Mesh | None) -> bool:
+        """Kernels for the current Actor mesh and `ref_mesh`; True when they were cached."""
         self.ref_mesh = actor_mesh = self.actor_mesh
         if ref_mesh is not None and ref_mesh != actor_mesh:
             self.ref_mesh = ref_mesh
@@ -164,7 +172,9 @@ class TrainerBackend:
                 ref_param_shardings=ref_sh, head_chunk=self.cfg.head_chunk,
                 remat=self.cfg.remat))
 
+        cached = key in _KERNELS
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
+        return cached
 
     def _decide_offload(self) -> bool:
         if self.cfg.offload != "auto":
@@ -179,13 +189,42 @@ class TrainerBackend:
     def set_ref_mesh(self, ref_mesh: Mesh | None) -> None:
         """Switches RA2P mode between steps: a Ref mesh of its own (decoupled) or None
         (colocated on the Actor's devices). The Ref params move with `jax.device_put`."""
+        self.set_meshes(self.actor_mesh, ref_mesh)
+
+    def set_meshes(self, actor_mesh: Mesh, ref_mesh: Mesh | None = None) -> dict:
+        """Moves the Actor train state to `actor_mesh` and the Ref to `ref_mesh` (None: the
+        Actor's) between steps; returns {"kernels": "cached" | "built", "move_s": seconds}.
+
+        The meshes must keep the Actor's fsdp × model shape (only `data` changes), so every
+        shard keeps its shape and the move is a copy of one replica's shards."""
         if self._n_mbs or self._grads is not None:
-            raise RuntimeError("set_ref_mesh() inside a step; call it after finish_step()")
+            raise RuntimeError("set_meshes() inside a step; call it after finish_step()")
+        for ax in ("fsdp", "model"):
+            if actor_mesh.shape[ax] != self.actor_mesh.shape[ax]:
+                raise ValueError(f"set_meshes: the Actor mesh's {ax!r} axis is "
+                                 f"{actor_mesh.shape[ax]}, was {self.actor_mesh.shape[ax]}; "
+                                 "only the data axis may change (a cell is one fsdp×model group)")
+        t0 = time.perf_counter()
+        self.swap("actor", "device")
         self.swap("ref", "device")
-        self._bind(ref_mesh)
-        self.ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
+        old = (self.actor_mesh, self.ref_mesh, self.mode, self.tx, self.sh, self.ref_param_sh,
+               self.k)
+        try:
+            self.actor_mesh = actor_mesh
+            cached = self._bind(ref_mesh)
+            state = jax.device_put(self.state, self.sh.state)
+            ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
+            jax.block_until_ready((state, ref_params))
+        except BaseException:
+            # All or nothing: the state never left its old meshes, so keep their kernels.
+            (self.actor_mesh, self.ref_mesh, self.mode, self.tx, self.sh, self.ref_param_sh,
+             self.k) = old
+            raise
+        self.state, self.ref_params = state, ref_params
         self._last_role = None
         self.offload = self._decide_offload()
+        self._reset_step()
+        return {"kernels": "cached" if cached else "built", "move_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ contract, per call
     def put(self, mb: MicroBatch, role: Role) -> dict:
@@ -344,13 +383,19 @@ class TrainerBackend:
                 "grad_norm": float(out["grad_norm"]), "version": self.version, "swaps": swaps,
                 "step_time": time.perf_counter() - t0}
 
+    def cost_model(self, m_actor: int = 1) -> ra2p.CostModel:
+        """The RA2P cost model at the measured per-micro-batch phase times (EMA); the Ref phase
+        costs nothing when the loss has no KL term (it does not run)."""
+        c = self._cost_ema
+        costs = ra2p.PhaseCosts(c.get("ref", 0.0) if self.uses_ref else 0.0,
+                                c.get("actor_fwd", 0.0), c.get("actor_bwd", 0.0),
+                                c.get("swap", 0.0), m_actor)
+        return ra2p.CostModel(costs, slack=self.cfg.colocate_slack,
+                              max_aggregate=self.cfg.max_aggregate)
+
     def advise_mode(self, ready_times: Sequence[float], m_actor: int = 1) -> ra2p.ModeChoice:
         """RA2P choice from the measured per-micro-batch phase times (EMA) and ready times."""
-        c = self._cost_ema
-        costs = ra2p.PhaseCosts(c.get("ref", 0.0), c.get("actor_fwd", 0.0),
-                                c.get("actor_bwd", 0.0), c.get("swap", 0.0), m_actor)
-        return ra2p.choose_mode(ready_times, costs, slack=self.cfg.colocate_slack,
-                                max_aggregate=self.cfg.max_aggregate)
+        return self.cost_model(m_actor).advise(ready_times)
 
     # ------------------------------------------------------------------ internals
     def _reset_step(self) -> None:
@@ -455,8 +500,17 @@ class TrainerBackend:
                 b_act = self.put(mb, "actor")
                 b_ref = self.put(mb, "ref") if self.uses_ref else b_act
                 ref = self._timed("ref", self.ref_forward, b_ref, block=sync)
+                key = object()
+                if self.uses_ref:
+                    self._clock.track("ref", "ref", ref, key=key)
                 lp, vjp = self._timed("actor_fwd", self.actor_forward, b_act, block=sync)
-                self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b_act, mb, block=sync)
+                self._clock.track("actor", "actor_fwd", lp)
+                m = self._timed("actor_bwd", self.actor_backward, vjp, lp, ref, b_act, mb,
+                                block=sync)
+                # The backward's metrics come out of the same computation as its gradient
+                # (which is donated into the next backward, so it cannot be waited on).
+                self._clock.track("actor", "actor_bwd", m,
+                                  after=key if self.uses_ref else None)
             return
         # Colocated: Ref over the whole ready group, then Actor over it. The phases share the
         # devices, so blocking at phase ends costs nothing and gives exact phase times.
@@ -504,8 +558,14 @@ class TrainerBackend:
             "step_time": time.perf_counter() - (self._step_t0 or t0),
         }
         metrics.update({f"time_{k}": v for k, v in self._times.items()})
+        busy = self._clock.collect()
+        # Decoupled phases were dispatched asynchronously: their device time is the watcher's
+        # (colocated phases block at their ends, so their timed calls are their device time).
+        phase = busy if self.mode == "decoupled" and not self.cfg.sync_timings else self._times
         for k in ("ref", "actor_fwd", "actor_bwd"):
-            self._ema(k, self._times[k] / self._n_mbs)
+            if k in phase or k != "ref":
+                self._ema(k, phase.get(k, 0.0) / self._n_mbs)
+        metrics.update({f"busy_{k}": v for k, v in busy.items()})
         if self._swaps:
             self._ema("swap", self._times["swap"] / self._swaps)
         self._reset_step()

@@ -103,6 +103,11 @@ def choose_mode(ready_times: Sequence[float], costs: PhaseCosts, *, slack: float
         raise ValueError("choose_mode needs at least one ready time (a_i of the step's "
                          "micro-batches, relative to the step start)")
     dec = c_dec(ready_times, costs)
+    if costs.t_ref <= 0:
+        col, swaps = c_col(ready_times, costs, max_aggregate=max_aggregate)
+        return ModeChoice("colocated", dec, col, ras(ready_times), swaps,
+                          "no Ref forward to overlap (t_ref = 0): colocated, the Ref needs no "
+                          "devices")
     col, swaps = c_col(ready_times, costs, max_aggregate=max_aggregate)
     n0 = ras(ready_times)
     if col <= (1.0 + slack) * dec:
@@ -112,3 +117,42 @@ def choose_mode(ready_times: Sequence[float], costs: PhaseCosts, *, slack: float
     return ModeChoice("decoupled", dec, col, n0, swaps,
                       f"C_col={col:.4g} > (1+{slack})·C_dec={dec:.4g}: swaps exposed "
                       f"(RAS={n0})")
+
+
+def predicted_ready_times(n_microbatches: int, ras: int, tprm: float) -> list[float]:
+    """Ready times of a step not yet begun, from live signals: `ras` micro-batches ready at its
+    start (a_i = 0), the rest arriving every `tprm` seconds after it (the readiness trend the
+    ERS coordinator plans with; an instantaneous arrival pattern is too noisy)."""
+    n0 = max(0, min(ras, n_microbatches))
+    gap = tprm if tprm == tprm and tprm != float("inf") else 0.0  # NaN / inf: unknown pace
+    return [0.0] * n0 + [gap * (k + 1) for k in range(n_microbatches - n0)]
+
+
+def break_even_ras(n_microbatches: int, tprm: float, costs: PhaseCosts, *, slack: float = 0.1,
+                   max_aggregate: int | None = None) -> int:
+    """The smallest RAS from which decoupled beats colocated (`choose_mode` says decoupled)
+    for a step of `n_microbatches` whose later micro-batches arrive every `tprm` seconds;
+    `n_microbatches + 1` when decoupled never pays off (e.g. no Ref forward: t_ref = 0)."""
+    for n0 in range(n_microbatches + 1):
+        times = predicted_ready_times(n_microbatches, n0, tprm)
+        if choose_mode(times, costs, slack=slack, max_aggregate=max_aggregate).mode == \
+                "decoupled":
+            return n0
+    return n_microbatches + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Measured phase costs with the choice's settings: what the controller plans RA2P with."""
+
+    costs: PhaseCosts
+    slack: float = 0.1
+    max_aggregate: int | None = None
+
+    def advise(self, ready_times: Sequence[float]) -> ModeChoice:
+        return choose_mode(ready_times, self.costs, slack=self.slack,
+                           max_aggregate=self.max_aggregate)
+
+    def break_even(self, n_microbatches: int, tprm: float) -> int:
+        return break_even_ras(n_microbatches, tprm, self.costs, slack=self.slack,
+                              max_aggregate=self.max_aggregate)

@@ -1,0 +1,244 @@
+"""The ERS planner on synthetic readiness traces, and the buffer's readiness signals. No JAX."""
+
+import math
+
+import pytest
+
+from tiderl.control.buffer import ReadinessBuffer
+from tiderl.control.ers import CellMap, ERSConfig, ERSPlanner, KeepSplit, Signals
+from tiderl.envs.protocol import EndReason
+from tiderl.serving.rollout import Trajectory
+from tiderl.train.ra2p import PhaseCosts, break_even_ras, choose_mode, predicted_ready_times
+
+# Cells 0-1 rollout, 2-3 trainer, 4 Ref (a decoupled start).
+START = CellMap(("rollout", "rollout", "trainer", "trainer", "ref"))
+CON = dict(consumption_deficit=True, deficit_reason="head-of-line 3.0s > τ·T_step 1.0s")
+GEN = dict(generation_deficit=True, deficit_reason="2 of B_ideal=8 groups ready")
+
+
+def run(planner, trace, cells=START):
+    """Feeds one Signals per boundary, after the run's first boundary (its step compiles: it
+    never counts toward a trend); returns the plans and the final cells."""
+    planner.plan(Signals(step=0), cells)
+    plans = []
+    for step, kw in enumerate(trace, start=1):
+        p = planner.plan(Signals(step=step, **kw), cells)
+        plans.append(p)
+        cells = p.cells
+    return plans, cells
+
+
+def moves(plans):
+    return [(p.moves[0].src, p.moves[0].dst) for p in plans if p.moves]
+
+
+def test_consumption_deficit_moves_a_rollout_cell_to_the_trainer_after_patience():
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [CON, CON])
+    assert not plans[0].moves  # one boundary is not a trend
+    assert moves(plans) == [("rollout", "trainer")] and cells.count("trainer") == 3
+    assert plans[1].rule == "consumption" and "head-of-line" in plans[1].reason
+    assert plans[1].reason.endswith("rollout → trainer")
+
+
+def test_generation_deficit_frees_the_ref_first_then_a_trainer_cell():
+    # After a move the next boundary settles (its step began on the old layout): the second
+    # move needs patience boundaries after that one.
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, cooldown=0)), [GEN] * 4)
+    assert moves(plans) == [("ref", "rollout")]
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, cooldown=0)), [GEN] * 5)
+    assert moves(plans) == [("ref", "rollout"), ("trainer", "rollout")]
+    assert plans[1].ref_mode == "colocated" and "colocated RA2P" in plans[1].reason
+    assert cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}
+    # The trainer keeps its minimum: more deficit moves nothing.
+    plans, cells = run(ERSPlanner(ERSConfig(patience=1)), [GEN] * 6, cells)
+    assert cells.count("trainer") == 1 and not moves(plans)
+
+
+def test_alternating_noise_never_moves_a_cell():
+    trace = [CON, GEN] * 10 + [CON, {}, GEN, {}] * 5
+    plans, cells = run(ERSPlanner(), trace)
+    assert moves(plans) == [] and cells == START
+
+
+def test_hysteresis_a_move_is_not_undone_within_the_cooldown():
+    # Consumption, then a sustained generation deficit right after the move.
+    cfg = ERSConfig(patience=2, cooldown=4, max_ref_cells=0)
+    start = CellMap(("rollout", "rollout", "trainer"))
+    plans, _ = run(ERSPlanner(cfg), [CON, CON] + [GEN] * 6, start)
+    first, undo = [i for i, p in enumerate(plans) if p.moves]
+    assert (plans[first].moves[0].src, plans[undo].moves[0].src) == ("rollout", "trainer")
+    assert undo - first >= cfg.cooldown
+
+
+def test_cold_start_allocates_rollout_preemptively_within_bounds():
+    p = ERSPlanner(ERSConfig(min_trainer_cells=1)).plan(Signals(cold_start=True), START)
+    assert p.rule == "cold_start" and len(p.moves) == 2  # the Ref and one trainer cell
+    assert p.cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}
+    bounded = ERSPlanner(ERSConfig(max_rollout_cells=3)).plan(Signals(cold_start=True), START)
+    assert bounded.cells.count("rollout") == 3
+    off = ERSPlanner(ERSConfig(cold_start=False)).plan(Signals(cold_start=True), START)
+    assert not off.moves
+
+
+def test_evaluation_gets_a_preemptive_rollout_cell_that_returns_after_it():
+    cells = CellMap(("rollout", "trainer", "trainer"))
+    planner = ERSPlanner()
+    p1 = planner.plan(Signals(step=10, eval_next=True), cells)
+    assert p1.rule == "eval" and p1.moves[0].dst == "rollout"
+    p2 = planner.plan(Signals(step=11), p1.cells)
+    assert p2.rule == "eval_return" and p2.cells == cells  # the same cell goes back
+    # When generation is the deficit after the evaluation, the cell stays in rollout.
+    planner = ERSPlanner()
+    p1 = planner.plan(Signals(step=10, eval_next=True), cells)
+    p2 = planner.plan(Signals(step=11, **GEN), p1.cells)
+    assert p2.rule != "eval_return" and p2.cells.count("rollout") == 2
+
+
+def test_ras_above_break_even_provisions_a_decoupled_ref():
+    costs = PhaseCosts(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=1.0)
+    be = break_even_ras(8, 10.0, costs)
+    assert 0 < be <= 8
+    # Below the break-even the cost model says colocated, from it on decoupled.
+    assert choose_mode(predicted_ready_times(8, be - 1, 10.0), costs).mode == "colocated"
+    assert choose_mode(predicted_ready_times(8, be, 10.0), costs).mode == "decoupled"
+    colocated = CellMap(("rollout", "rollout", "trainer"))
+    sig = dict(uses_ref=True, ras_next=be, break_even_ras=be, ra2p_mode="decoupled",
+               above_break_even=True, deficit_reason=f"RAS {be} ≥ break-even {be}")
+    planner = ERSPlanner(ERSConfig(patience=2))
+    plans, cells = run(planner, [sig, sig], colocated)
+    assert moves(plans) == [("rollout", "ref")] and plans[-1].ref_mode == "decoupled"
+    # With the Ref serving, the same backlog is no deficit: nothing else moves.
+    more = [planner.plan(Signals(**sig), cells) for _ in range(6)]
+    assert not [p for p in more if p.moves]
+    # A backlog at the break-even alone is no reason to widen the trainer: without a Ref
+    # forward to run (no KL term) nothing moves; with data waiting too, the trainer widens.
+    nokl = {**sig, "uses_ref": False}
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [nokl, nokl], colocated)
+    assert moves(plans) == []
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [{**nokl, **CON}] * 2, colocated)
+    assert moves(plans) == [("rollout", "trainer")]
+    # An existing Ref cell with nothing to compute goes to rollout at once.
+    p = ERSPlanner().plan(Signals(uses_ref=False), START)
+    assert p.rule == "no_ref" and p.cells.count("ref") == 0 and p.ref_mode == "colocated"
+    # The cost model agrees: with no Ref phase (t_ref = 0) there is nothing to decouple.
+    assert choose_mode([0.0] * 8, PhaseCosts(0.0, 1.0, 2.0, 0.0)).mode == "colocated"
+    assert break_even_ras(8, 1.0, PhaseCosts(0.0, 1.0, 2.0, 0.0)) == 9
+
+
+def test_plans_are_deterministic_and_send_cells_home():
+    trace = [CON] * 3 + [GEN] * 8 + [CON] * 8
+    a, _ = run(ERSPlanner(ERSConfig(cooldown=1)), trace)
+    b, _ = run(ERSPlanner(ERSConfig(cooldown=1)), trace)
+    assert [(p.cells, p.reason) for p in a] == [(p.cells, p.reason) for p in b]
+    # One trainer cell set per width: its meshes recur (and compile once each).
+    trainer_sets = {p.cells.cells("trainer") for p in a}
+    assert len(trainer_sets) == len({len(t) for t in trainer_sets}) >= 3
+
+
+def test_keep_split_follows_ra2p_advice_on_fixed_cells():
+    ks = KeepSplit(ra2p_live=True, patience=2)
+    plans, cells = run(ks, [dict(ra2p_mode="colocated")] * 3)
+    assert cells == START and [p.ref_mode for p in plans] == ["decoupled", "colocated",
+                                                              "colocated"]
+    assert plans[1].rule == "ra2p"
+    fixed, _ = run(KeepSplit(), [dict(ra2p_mode="colocated")] * 3)
+    assert {p.ref_mode for p in fixed} == {"decoupled"}
+
+
+@pytest.mark.parametrize("bad", [dict(tau=0), dict(patience=0), dict(min_trainer_cells=0),
+                                 dict(min_rollout_cells=2, max_rollout_cells=1)])
+def test_ers_config_errors_name_the_key(bad):
+    from tiderl.configlib import ConfigError
+
+    with pytest.raises(ConfigError, match="controller.elastic"):
+        ERSConfig(**bad)
+
+
+# -- readiness signals --------------------------------------------------------------------------
+def _group(gid, reward_hi=1.0):
+    def t(i, r):
+        return Trajectory(task_id=f"{gid}/{i}", group_id=gid, is_eval=False, tokens=[1, 2, 3],
+                          loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0],
+                          reward=r, end_reason=EndReason.done, turns=1)
+
+    return [t(0, 0.0), t(1, reward_hi)]
+
+
+def test_buffer_signals_ras_tprm_hol_and_deficits():
+    buf = ReadinessBuffer(groups_per_microbatch=2, max_staleness=1, min_ok_per_group=1)
+    for k in range(5):  # five groups ready before the step: RAS = 2 micro-batches
+        buf.add_group(_group(f"g{k}"), now=float(k))
+    r = buf.begin_step(10.0)
+    assert r.ras == 2
+    taken = buf.take(5, train_version=0)
+    for k, t in enumerate((12.0, 13.0, 16.0, 17.0)):  # two more micro-batches, 4 s apart
+        buf.add_group(_group(f"h{k}"), now=t)
+    taken += buf.take(4, train_version=0)
+    r = buf.end_step(r, taken)
+    # Micro-batch k is ready with its last group: g1, g3, then (g4, h0), (h1, h2), h3.
+    assert r.ready_times == [-9.0, -7.0, 2.0, 6.0, 7.0]
+    # Live TPRM: micro-batches became ready at 13 (3 s after the start) and 17 (4 s later).
+    assert buf.tprm_ema == pytest.approx(0.7 * 3.0 + 0.3 * 4.0)
+    buf.add_group(_group("late"), now=18.0)
+    r = buf.boundary(r, 22.0, step_time=12.0, step_time_mean=6.0, twt=0.5, rwt=0.0,
+                     batch_ideal=8, tau=0.5, wait_frac=0.15, break_even_ras=3, uses_ref=True)
+    assert r.hol_s == 4.0 and r.hol_limit_s == 3.0 and r.consumption_deficit
+    assert "head-of-line 4.00s > τ·T_step 3.00s" in r.deficit_reason
+    assert r.volume_next == 1 and r.ras_next == 0 and not r.above_break_even
+    assert not r.generation_deficit and r.record()["ready_times"] == r.ready_times
+    # Next boundary: nothing ready and the trainer waited most of its step.
+    buf.take(1, train_version=0)
+    r2 = buf.boundary(buf.end_step(buf.begin_step(22.0), []), 30.0, step_time=8.0,
+                      step_time_mean=6.0, twt=6.0, rwt=0.0, batch_ideal=8, tau=0.5,
+                      wait_frac=0.15, break_even_ras=3, uses_ref=True)
+    assert r2.generation_deficit and not r2.consumption_deficit
+    assert "0 of B_ideal=8 groups ready" in r2.deficit_reason
+    assert r2.gen_rate > 0 and math.isfinite(r2.gen_rate)
+
+
+def test_the_planner_api_from_buffer_readiness_to_a_move():
+    """The documented call a simulator makes: the buffer's boundary readiness →
+    `Signals.from_readiness` → `ERSPlanner.plan` → the next step's cells."""
+    buf = ReadinessBuffer(groups_per_microbatch=1, max_staleness=1, min_ok_per_group=1)
+    planner, cells = ERSPlanner(ERSConfig(patience=2)), CellMap(("rollout",) * 3 + ("trainer",))
+    plan = planner.plan(Signals(step=0, cold_start=True), cells)
+    assert plan.moves == () and plan.cells == cells  # the trainer's one cell cannot leave
+    plans = []
+    for step in range(1, 5):  # the trainer waits most of each step and nothing is ready
+        t = 10.0 * step
+        r = buf.boundary(buf.end_step(buf.begin_step(t), []), t + 8.0, step_time=8.0,
+                         step_time_mean=8.0, twt=7.0, rwt=0.0, batch_ideal=4, tau=0.5,
+                         wait_frac=0.25, break_even_ras=2, uses_ref=False)
+        plan = planner.plan(Signals.from_readiness(r, step=step, uses_ref=False), cells)
+        plans.append(plan)
+        cells = plan.cells
+    # A generation deficit, but the trainer's last cell is bounded: nothing moves.
+    assert all(not p.moves for p in plans) and cells.count("trainer") == 1
+    # Data piling up while the trainer is busy: a rollout cell joins the trainer.
+    for k in range(6):
+        buf.add_group(_group(f"c{k}"), now=50.0 + k)
+    for step in range(5, 9):
+        t = 10.0 * step
+        r = buf.boundary(buf.end_step(buf.begin_step(t), []), t + 8.0, step_time=8.0,
+                         step_time_mean=8.0, twt=0.0, rwt=0.0, batch_ideal=4, tau=0.5,
+                         wait_frac=0.25, break_even_ras=99, uses_ref=False)
+        assert r.consumption_deficit
+        plan = planner.plan(Signals.from_readiness(r, step=step, uses_ref=False), cells)
+        if plan.moves:
+            break
+        cells = plan.cells
+    assert [(m.src, m.dst) for m in plan.moves] == [("rollout", "trainer")]
+    assert plan.rule == "consumption" and "head-of-line" in plan.reason
+    assert plan.cells.count("trainer") == 2 and plan.ref_mode == "colocated"
+
+
+def test_rollout_throttling_is_a_share_of_the_time_since_the_last_boundary():
+    """RWT accrues over the weight sync too: 4 s throttled over a 20 s interval (a 2 s step
+    after an 18 s sync) is 20%, below wait_frac; over the step alone it would read 200%."""
+    buf = ReadinessBuffer(groups_per_microbatch=1, max_staleness=1, min_ok_per_group=1)
+    kw = dict(step_time=2.0, step_time_mean=2.0, twt=0.0, rwt=4.0, batch_ideal=4, tau=10.0,
+              wait_frac=0.25, break_even_ras=9, uses_ref=True)
+    r = buf.boundary(buf.end_step(buf.begin_step(0.0), []), 2.0, rwt_span=20.0, **kw)
+    assert r.rwt_frac == pytest.approx(0.2) and not r.consumption_deficit
+    r = buf.boundary(buf.end_step(buf.begin_step(2.0), []), 4.0, rwt_span=8.0, **kw)
+    assert r.consumption_deficit and "rollout throttled 4.00s = 50%" in r.deficit_reason
