@@ -12,7 +12,7 @@ NO_JAX = [
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
-    "tiderl.serving.pages", "tiderl.serving.tasktable",
+    "tiderl.serving.pages", "tiderl.serving.tasktable", "tiderl.serving.taskstats",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
 ]
 

@@ -434,6 +434,10 @@ class Controller:
             "kv_hit_rate": rs["kv_hit_rate"],
             "kv_pages_in_use": [r.get("pages_in_use", 0) for r in rs["per_rank"]],
             "prefill_computed": rs["computed_tokens"],
+            # Over the step: the engines' busy share, mean tasks in a turn / ready / waiting
+            # on their environment.
+            **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
+                                  "tasks_waiting", "tasks_paused", "shared_tokens") if k in rs},
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],
@@ -454,6 +458,7 @@ class Controller:
             "end_reasons": rs["end_reasons"],
         }
         self.rwt = 0.0
+        self.manager.new_window()
         self.metrics.log(rec)
         # Only groups not yet trained or dropped need their stream position (`data_state`).
         live = self.in_flight | {g.group_id for g in self.buffer.ready}

@@ -123,6 +123,8 @@ class RolloutManager:
         self.end_reasons: dict[str, int] = {}
         self.submitted = 0
         self.fatal: RolloutFailedError | None = None
+        self._clocked = False
+        self._window: tuple[float, list[float], dict[str, float]] | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
     def kick(self) -> None:
@@ -168,6 +170,10 @@ class RolloutManager:
     async def run_group(self, group: dict[str, Any], *, is_eval: bool = False
                         ) -> list[Trajectory]:
         """Plays every task of `group` to its end (failures included) and returns them."""
+        if not self._clocked:
+            self.sched.set_clock(asyncio.get_running_loop().time)
+            self._clocked = True
+            self.new_window()
         specs = group["tasks"]
         eps = []
         for spec in specs:
@@ -222,11 +228,12 @@ class RolloutManager:
             new_tokens = list(transcript.tokens)
             reward: float | None = None
             while True:
-                await self._active(ep)
-                # Executing from here to the end of the turn: CTB never pauses it meanwhile,
-                # and its context counts in its rank's usage.
-                self.sched.update_usage(tid, len(transcript), executing=True)
+                # Its environment answered: it wants the engine (the scheduler resumes ready
+                # tasks first and knows how long each type waits).
+                self.sched.update_usage(tid, len(transcript), ready=True)
                 self.kick()
+                # Executing from the turn's start (`_turn`) to its end: CTB never pauses it
+                # meanwhile, and its context counts in its rank's usage.
                 result = await self._turn(ep, new_tokens)
                 self.sched.set_executing(tid, False)
                 self.kick()  # waiting on its env now: the scheduler may park it
@@ -307,7 +314,8 @@ class RolloutManager:
             temp = self.eval_temperature if ep.task.is_eval else None
             self.sched.set_executing(ep.task.task_id, True)
             try:
-                fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp)
+                fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp,
+                                share_key=ep.task.group_id)
                 ep.holder, given, prefix = rank.rank_id, True, None
                 return await fut
             except RankFailedError:
@@ -330,10 +338,45 @@ class RolloutManager:
         self.kick()
 
     # -- metrics --------------------------------------------------------------------------------
+    def new_window(self) -> None:
+        """Starts the window that `stats()`'s engine_busy and tasks_* average over (the
+        controller starts one per step)."""
+        self.sched.phases.advance(self.sched.clock())
+        self._window = (self.sched.clock(), [r.stats.busy_s for r in self.ranks],
+                        dict(self.sched.phases.seconds))
+
+    def _window_stats(self) -> dict[str, float]:
+        if self._window is None:
+            self.new_window()
+        t0, busy0, sec0 = self._window
+        now = self.sched.clock()
+        ph = self.sched.phases
+        ph.advance(now)
+        dt = now - t0
+        live = [i for i in range(len(self.ranks)) if i not in self.sched.dead] or [0]
+        if dt <= 0:  # nothing elapsed yet: the current counts
+            busy = 0.0
+            avg = {k: float(n) for k, n in ph.counts.items()}
+        else:
+            busy = sum(min(1.0, (self.ranks[i].stats.busy_s - busy0[i]) / dt)
+                       for i in live) / len(live)
+            avg = {k: (ph.seconds[k] - sec0[k]) / dt for k in ph.seconds}
+        return {"engine_busy": busy, "tasks_executing": avg["executing"],
+                "tasks_ready": avg["ready"], "tasks_waiting": avg["waiting"],
+                "window_s": max(dt, 0.0)}
+
     def stats(self) -> dict[str, Any]:
+        """Token and decision counters since the start; `engine_busy` (the share of the window
+        the ranks' engines worked, mean over live ranks) and `tasks_executing` /
+        `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
+        their observation in hand, and waiting on their environment) over the window since
+        `new_window()`."""
         prompt = sum(r.stats.prompt_tokens for r in self.ranks)
         cached = sum(r.stats.cached_tokens for r in self.ranks)
         return {
+            **self._window_stats(),
+            "tasks_paused": self.sched.n_paused(),
+            "shared_tokens": sum(r.stats.shared_tokens for r in self.ranks),
             "kv_hit_rate": cached / max(1, prompt),
             "prompt_tokens": prompt,
             "cached_tokens": cached,

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
+
+from tiderl.serving.taskstats import PhaseClock, TypeStats
 
 if TYPE_CHECKING:
     from tiderl.serving.ctb import CTBConfig
@@ -41,6 +44,11 @@ class Task:
     """Its context length has been reported (`update_usage`); until then usage uses the probe."""
     turns: int = 0
     """Turns started (`update_usage` calls)."""
+    ready: bool = False
+    """Its environment answered: it wants the engine for its next turn (cleared when the turn
+    starts executing)."""
+    since: float = 0.0
+    """When it entered its current phase (executing, ready or waiting on its environment)."""
 
     def __post_init__(self):
         self.tokens = max(self.tokens, self.prompt_tokens)
@@ -126,6 +134,21 @@ class TaskTable:
         """Per rank: task type -> group -> its active tasks there (admission's diversity)."""
         self._dirty = [True] * n
         """Per rank: its cached usage is stale (CTB recomputes it on the next read)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """Seconds; the runner sets its event loop's clock (virtual time in the simulator)."""
+        self.type_stats: dict[str, TypeStats] = {}
+        """Per task type: environment waits and compute per turn, learned online."""
+        self.phases = PhaseClock(self.clock())
+        """How many live tasks execute, are ready, or wait on their environment (and since
+        when, integrated: per-step averages)."""
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Measures phases and waits on `clock` (the runner's event loop time) from now on."""
+        self.clock = clock
+        now = clock()
+        self.phases.rebase(now)
+        for t in self.tasks.values():
+            t.since = now
 
     @property
     def horizon_turns(self) -> int | None:
@@ -159,9 +182,14 @@ class TaskTable:
             if t.is_eval:
                 self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
 
-    def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None) -> None:
-        """Called at the start of every turn with the task's context length."""
+    def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None,
+                     ready: bool = False) -> None:
+        """Called once per turn with the task's context length for that turn: when its
+        environment answered (`ready=True`: it wants the engine now), or when the turn starts
+        (`executing=True`)."""
         t = self.tasks[task_id]
+        if ready or executing:
+            self._env_answered(t)
         if t.measured and tokens > t.tokens:
             total, n = self.growth.get(t.task_type, (0, 0))
             self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
@@ -176,7 +204,39 @@ class TaskTable:
             self._add_probe(t.group_id, tokens)
 
     def set_executing(self, task_id: str, executing: bool) -> None:
-        self._set_executing(self.tasks[task_id], executing)
+        """A turn starts (True) or ends (False: the task now waits on its environment)."""
+        t = self.tasks[task_id]
+        if executing:
+            self._env_answered(t)
+        elif t.executing and t.state in LIVE_STATES:
+            self._stats(t).add_compute(self.clock() - t.since)
+        self._set_executing(t, executing)
+
+    def _env_answered(self, t: Task) -> None:
+        if t.state in LIVE_STATES and not t.executing and not t.ready:
+            self._stats(t).waits.add(self.clock() - t.since)
+            self._phase_change(t, lambda: setattr(t, "ready", True))
+
+    def _stats(self, t: Task) -> TypeStats:
+        st = self.type_stats.get(t.task_type)
+        if st is None:
+            st = self.type_stats[t.task_type] = TypeStats()
+        return st
+
+    def phase(self, t: Task) -> str | None:
+        """'executing', 'ready' or 'waiting' (on its environment) for a live task, else None."""
+        if t.state not in LIVE_STATES:
+            return None
+        return "executing" if t.executing else "ready" if t.ready else "waiting"
+
+    def _phase_change(self, t: Task, change: Callable[[], None]) -> None:
+        old = self.phase(t)
+        change()
+        new = self.phase(t)
+        if new != old:
+            now = self.clock()
+            self.phases.move(now, old, new)
+            t.since = now
 
     def finish(self, task_id: str) -> None:
         t = self.tasks[task_id]
@@ -210,8 +270,11 @@ class TaskTable:
         moved = []
         for t in self.tasks.values():
             if t.rank == rank and t.state in LIVE_STATES:
+                was = t.executing
                 self._set_executing(t, False)
                 self._move(t, "paused", None)
+                if was:  # its turn must run again elsewhere: it wants the engine now
+                    self._phase_change(t, lambda t=t: setattr(t, "ready", True))
                 moved.append(t.task_id)
         return moved
 
@@ -233,6 +296,9 @@ class TaskTable:
     def pending(self) -> int:
         return self._n_queued + len(self._paused)
 
+    def n_paused(self) -> int:
+        return len(self._paused)
+
     def completion(self, group_id: str) -> float:
         return self.group_done[group_id] / len(self.groups[group_id])
 
@@ -247,6 +313,12 @@ class TaskTable:
     # -- index upkeep -------------------------------------------------------------------------
     def _move(self, t: Task, state: State, rank: int | None) -> None:
         """The only place a task's state or rank changes."""
+        if (t.state in LIVE_STATES) != (state in LIVE_STATES):
+            self._phase_change(t, lambda: self._move_to(t, state, rank))
+        else:
+            self._move_to(t, state, rank)
+
+    def _move_to(self, t: Task, state: State, rank: int | None) -> None:
         old = t.state
         if old == "active":
             self._leave(t)
@@ -294,7 +366,14 @@ class TaskTable:
 
     def _set_executing(self, t: Task, executing: bool) -> None:
         # Not indexed: it changes neither usage nor any set; rounds read it from the task.
-        t.executing = executing
+        if t.executing == executing and not (executing and t.ready):
+            return
+
+        def change():
+            t.executing = executing
+            t.ready = t.ready and not executing
+
+        self._phase_change(t, change)
 
     def _dequeue(self, t: Task, *, drop_empty: bool) -> None:
         tids = self.queue[t.group_id]
@@ -405,3 +484,8 @@ class TaskTable:
         expect(self._type_probes == probes, "probes per type")
         expect(self._type_probe_max == {k: max(v.values()) for k, v in probes.items()},
                "largest probe per type")
+        phases = dict.fromkeys(self.phases.counts, 0)
+        for t in self.tasks.values():
+            if (ph := self.phase(t)) is not None:
+                phases[ph] += 1
+        expect(self.phases.counts == phases, f"phase counts {self.phases.counts} != {phases}")
