@@ -13,6 +13,7 @@ NO_JAX = [
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
     "tiderl.serving.pages", "tiderl.serving.tasktable", "tiderl.serving.taskstats",
+    "tiderl.serving.ctb_config", "tiderl.serving.valve",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
 ]
 

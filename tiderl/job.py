@@ -152,12 +152,17 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     weights = await trainer.export_weights_async()
     engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
                       version=trainer.version) for d in rank_devices]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
+                         share_prefixes=rcfg.share_prefixes)
              for i, e in enumerate(engines)]
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
     capacity = rcfg.num_pages * rcfg.page_size
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
-                           max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
+    # Prompts count once per rank only where ranks share them.
+    ctb_cfg = dataclasses.replace(
+        cfg.rollout.ctb, shared_prompts=cfg.rollout.ctb.shared_prompts and rcfg.share_prefixes)
+    sched = make_scheduler(sched_kind, ctb_cfg, [capacity] * len(ranks),
+                           max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots,
+                           page_size=rcfg.page_size)
     sched.cfg.check_group_size(cfg.env.group_size)
 
     async def sync_weights(exported: Any, version: int) -> None:

@@ -31,6 +31,13 @@ whole life; it holds the context as token ids (token in, token out) and where it
   slots leave the decode batch but keep their KV.
 - `evict(prefix)` frees the task's pages and slot but keeps its tokens (pause = evict);
   `free(prefix)` ends a task. Both accept a slot number too.
+- Prefix sharing: a `PrefillRequest` with `share=[handles of its GRPO siblings]` lets a task
+  with no resident KV take the pages of the longest common prefix a sibling holds resident
+  (copy-on-write: the first write into a shared page copies it) and compute only the rest;
+  siblings with identical contexts in one call compute it once, and a sibling whose whole
+  context (a group's prompt) is resident samples its first token, with its own key, from the
+  logits kept from that prompt's prefill, computing nothing. `counters.prompt_tokens_shared`
+  counts the tokens taken from siblings.
 - `fork(prefix, n, task_ids)` makes n GRPO siblings sharing the resident pages copy-on-write
   (the parent's unfed last token is not inherited); prefill each with `true_length=0` to sample
   its own first token, then insert it.

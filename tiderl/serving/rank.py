@@ -83,6 +83,8 @@ class _Task:
     temperature: float | None = None
     share_key: str | None = None
     """The task's GRPO group: siblings on this rank may share its context prefix's KV."""
+    keep: float = 0.0
+    """While paused: what its KV is worth to the scheduler; the lowest is evicted first."""
 
 
 @dataclasses.dataclass
@@ -102,7 +104,7 @@ class RankStats:
     pause_evictions: int = 0
     migrations_in: int = 0
     busy_s: float = 0.0
-    """Seconds the engine worked (executor calls, wall time)."""
+    """Seconds the engine worked (its executor calls, on the event loop's clock)."""
     shared_tokens: int = 0
     """Prompt tokens taken from a sibling's KV pages (prefix sharing) instead of computed."""
     deferred_shares: int = 0
@@ -204,12 +206,14 @@ class RolloutRank:
         self._wake.set()
         return t.future
 
-    def pause(self, task_id: int) -> None:
-        """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`)."""
+    def pause(self, task_id: int, keep: float = 0.0) -> None:
+        """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`);
+        when pages run short, paused tasks of the lowest `keep` go first."""
         t = self.tasks.get(task_id)
         if t is None:
             return
         t.paused = True
+        t.keep = keep
         if self.evict_on_pause and not t.decoding and t.pending is None:
             self._ops.append(("evict", task_id))
             self._wake.set()
@@ -292,12 +296,14 @@ class RolloutRank:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                t0 = time.perf_counter()
+                # Busy time on the loop's clock, the one the scheduler reads (virtual time in
+                # the simulator, where an engine call is charged on the loop).
+                t0 = loop.time()
                 # The worker sees a snapshot: the loop thread adds and removes tasks while a
                 # step runs, and only the loop thread mutates `self.tasks`.
                 finished, replies = await loop.run_in_executor(
                     self._pool, self._device_step, ops, ready, dict(self.tasks))
-                self.stats.busy_s += time.perf_counter() - t0
+                self.stats.busy_s += loop.time() - t0
                 for fut, value in replies:
                     if not fut.done():
                         fut.set_result(value)
@@ -485,8 +491,10 @@ class RolloutRank:
         return out
 
     def _evict_lru(self, *, exclude: set[int] | None) -> bool:
-        """Evicts one idle task's KV: paused ones first (CTB parked them), then LRU."""
-        idle = [(not t.paused, t.last_used, tid) for tid, t in self._snap.items()
+        """Evicts one idle task's KV: paused ones first (CTB let them go), the lowest value
+        to the scheduler first, then LRU."""
+        idle = [(not t.paused, t.keep if t.paused else 0.0, t.last_used, tid)
+                for tid, t in self._snap.items()
                 if (exclude is None or tid not in exclude) and not t.decoding
                 and t.prefix is not None and t.prefix.slot is not None]
         if not idle:

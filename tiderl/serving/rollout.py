@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import zlib
 from collections.abc import Sequence
@@ -34,6 +35,9 @@ from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import RankFailedError, RolloutRank, TurnResult
 
 log = logging.getLogger(__name__)
+
+BUSY_TAU_S = 2.0
+"""Time constant of the engine busy share the scheduler sees (seconds of loop time)."""
 
 
 class RolloutFailedError(RuntimeError):
@@ -119,16 +123,43 @@ class RolloutManager:
         self.episodes: dict[str, _Episode] = {}
         """Live episodes only (a finished one is forgotten)."""
         self._keys = itertools.count()
-        self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
+        self.decisions = {"admit": 0, "pause": 0, "park": 0, "resume": 0, "migrate": 0}
         self.end_reasons: dict[str, int] = {}
         self.submitted = 0
         self.fatal: RolloutFailedError | None = None
         self._clocked = False
+        self._busy_at: float | None = None
+        self._busy_s: list[float] = []
         self._window: tuple[float, list[float], dict[str, float]] | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
+    def _track_busy(self) -> None:
+        """Keeps the scheduler's per-rank engine busy share current (exponential average
+        over about `BUSY_TAU_S` of loop time)."""
+        now = self.sched.clock()
+        last = self._busy_at
+        self._busy_at = now
+        if last is None:
+            self._busy_s = [r.stats.busy_s for r in self.ranks]
+            self._busy_sum = [0.0] * len(self.ranks)
+            self._busy_wall = 0.0
+            return
+        dt = now - last
+        if dt <= 0:
+            return
+        # Decaying sums of busy seconds and of elapsed seconds: busy time arrives in lumps
+        # (one per engine call), so a per-event rate would be all or nothing.
+        decay = math.exp(-dt / BUSY_TAU_S)
+        self._busy_wall = self._busy_wall * decay + dt
+        for i, r in enumerate(self.ranks):
+            b = r.stats.busy_s
+            self._busy_sum[i] = self._busy_sum[i] * decay + max(0.0, b - self._busy_s[i])
+            self._busy_s[i] = b
+            self.sched.engine_busy[i] = min(1.0, self._busy_sum[i] / self._busy_wall)
+
     def kick(self) -> None:
         """One scheduling round; applies its decisions."""
+        self._track_busy()
         for d in self.sched.schedule():
             ep = self.episodes[d.task_id]
             if isinstance(d, Admit):
@@ -136,9 +167,10 @@ class RolloutManager:
                 ep.rank = d.rank
                 ep.wake.set()
             elif isinstance(d, Pause):
-                self.decisions["pause"] += 1
+                self.decisions["park" if d.parked else "pause"] += 1
                 if ep.holder == d.rank:
-                    self.ranks[d.rank].pause(ep.key)
+                    keep = getattr(self.sched, "keep_value", None)
+                    self.ranks[d.rank].pause(ep.key, keep(ep.task) if keep else 0.0)
                 ep.wake.clear()
             elif isinstance(d, Resume):
                 # A task is paused only between turns, so it has no turn in flight here; on

@@ -75,7 +75,8 @@ class TypeStats:
 
     waits: WaitModel = dataclasses.field(default_factory=WaitModel)
     compute_s: float = 0.0
-    """Mean seconds a turn executes (exponential average)."""
+    """Mean seconds a turn spends outside its environment: from the answer to the turn's
+    end, waiting for room and for the engine included (exponential average)."""
     turns: int = 0
 
     def add_compute(self, seconds: float, alpha: float = 0.1) -> None:

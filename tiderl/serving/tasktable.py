@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from tiderl.serving.taskstats import PhaseClock, TypeStats
 
 if TYPE_CHECKING:
-    from tiderl.serving.ctb import CTBConfig
+    from tiderl.serving.ctb_config import CTBConfig
 
 
 State = Literal["new", "active", "paused", "done"]
@@ -49,6 +49,12 @@ class Task:
     starts executing)."""
     since: float = 0.0
     """When it entered its current phase (executing, ready or waiting on its environment)."""
+    answered: float = 0.0
+    """When its environment last answered (its turn's time outside the environment, waiting
+    for room and the engine included, runs from here to the turn's end)."""
+    parked: bool = False
+    """Paused by the release valve while it waits on its environment: it holds no budget and
+    is not resumed until its environment answers (CTB's `park_below_busy`)."""
 
     def __post_init__(self):
         self.tokens = max(self.tokens, self.prompt_tokens)
@@ -64,6 +70,8 @@ class Admit:
 class Pause:
     task_id: str
     rank: int
+    parked: bool = False
+    """Released while it waits on its environment (CTB's release valve), not over budget."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,9 @@ class TaskTable:
         """Per rank: task type -> group -> its active tasks there (admission's diversity)."""
         self._dirty = [True] * n
         """Per rank: its cached usage is stale (CTB recomputes it on the next read)."""
+        self.engine_busy = [1.0] * n
+        """Per rank: the recent share of time its engine worked (the runner keeps it current;
+        CTB parks waiting tasks only on a rank with time to spare)."""
         self.clock: Callable[[], float] = time.monotonic
         """Seconds; the runner sets its event loop's clock (virtual time in the simulator)."""
         self.type_stats: dict[str, TypeStats] = {}
@@ -194,6 +205,8 @@ class TaskTable:
             total, n = self.growth.get(t.task_type, (0, 0))
             self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
             self._stats_version += 1
+        if not t.measured and not t.prompt_tokens:
+            t.prompt_tokens = tokens  # a task's first report is its prompt
         t.tokens, t.measured = tokens, True
         t.turns += 1
         if t.state == "active":
@@ -209,13 +222,16 @@ class TaskTable:
         if executing:
             self._env_answered(t)
         elif t.executing and t.state in LIVE_STATES:
-            self._stats(t).add_compute(self.clock() - t.since)
+            self._stats(t).add_compute(self.clock() - t.answered)
         self._set_executing(t, executing)
 
     def _env_answered(self, t: Task) -> None:
         if t.state in LIVE_STATES and not t.executing and not t.ready:
-            self._stats(t).waits.add(self.clock() - t.since)
+            now = self.clock()
+            self._stats(t).waits.add(now - t.since)
+            t.answered = now
             self._phase_change(t, lambda: setattr(t, "ready", True))
+        t.parked = False
 
     def _stats(self, t: Task) -> TypeStats:
         st = self.type_stats.get(t.task_type)
@@ -320,6 +336,8 @@ class TaskTable:
 
     def _move_to(self, t: Task, state: State, rank: int | None) -> None:
         old = t.state
+        if state != "paused":
+            t.parked = False
         if old == "active":
             self._leave(t)
         elif old == "paused" and state != "paused":
@@ -406,6 +424,12 @@ class TaskTable:
 
     def _add_probe(self, group_id: str, tokens: int) -> None:
         self.group_probe[group_id] = tokens
+        for tid in self.groups[group_id]:  # siblings share the prompt the probe reported
+            s = self.tasks[tid]
+            if not s.prompt_tokens:
+                s.prompt_tokens = s.tokens = max(s.tokens, tokens)
+                if s.state == "active":
+                    self._dirty[s.rank] = True
         kind = self._group_type[group_id]
         self._type_probes.setdefault(kind, {})[group_id] = tokens
         top = self._type_probe_max.get(kind)
