@@ -241,6 +241,7 @@ class Engine:
                            num_pages=c.num_pages, page_size=c.page_size,
                            dtype=DTYPES[m.compute_dtype], device=self.device)
         self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
+        self._prompt_logits.clear()
         return self.state
 
     def update_weights(self, params: nnx.State, *, version: int | None = None,

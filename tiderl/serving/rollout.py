@@ -236,6 +236,12 @@ class RolloutManager:
                     await self.env.resume(ep.session)
                     continue  # state may have changed while we awaited
                 return self.ranks[ep.rank]
+            if ep.task.state == "paused" and not ep.task.ready and not ep.task.executing:
+                # It waits here for its next turn, so its environment (or agent) has
+                # answered; a parked task is resumed only once the scheduler knows that.
+                self.sched.set_ready(ep.task.task_id)
+                self.kick()
+                continue
             if ep.session and not ep.env_paused:
                 ep.env_paused = True
                 await self.env.pause(ep.session)

@@ -225,6 +225,11 @@ class TaskTable:
             self._stats(t).add_compute(self.clock() - t.answered)
         self._set_executing(t, executing)
 
+    def set_ready(self, task_id: str) -> None:
+        """The task's environment answered and it wants its next turn (its size is reported
+        with the turn's `update_usage`)."""
+        self._env_answered(self.tasks[task_id])
+
     def _env_answered(self, t: Task) -> None:
         if t.state in LIVE_STATES and not t.executing and not t.ready:
             now = self.clock()
