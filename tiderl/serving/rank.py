@@ -85,6 +85,7 @@ class _Task:
     """The task's GRPO group: siblings on this rank may share its context prefix's KV."""
     keep: float = 0.0
     """While paused: what its KV is worth to the scheduler; the lowest is evicted first."""
+    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -172,14 +173,16 @@ class RolloutRank:
     def turn(self, task_id: int, new_tokens: Sequence[int],
              prefix: Prefix | None = None, *, sample_id: int | None = None,
              temperature: float | None = None,
-             share_key: str | None = None) -> asyncio.Future[TurnResult]:
+             share_key: str | None = None,
+             max_action_tokens: int | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
         `task_id` is the caller's key for the task (unique among its live tasks);
         `sample_id` keys its sampling (default: `task_id`); `prefix` adopts a migrated task's
         handle (its KV is re-prefilled here); `temperature` overrides the engine's for this
         task (evaluation decodes greedily with 0); `share_key` (its GRPO group) lets siblings
-        on this rank share their common prefix's KV.
+        on this rank share their common prefix's KV; `max_action_tokens` caps this action below
+        the engine's own limit (an agent's max_tokens).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -200,6 +203,7 @@ class RolloutRank:
         t.pending = list(new_tokens)
         t.temperature = temperature
         t.share_key = share_key
+        t.max_action_tokens = max_action_tokens
         t.paused = False
         t.result = None
         t.future = asyncio.get_running_loop().create_future()
@@ -377,7 +381,8 @@ class RolloutRank:
                                     len(self._snap[tid].pending or []),
                                     task_id=self._snap[tid].sample_id,
                                     temperature=self._snap[tid].temperature,
-                                    share=share.get(self._snap[tid].share_key))
+                                    share=share.get(self._snap[tid].share_key),
+                                    max_action_tokens=self._snap[tid].max_action_tokens)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
             c0 = dataclasses.replace(eng.counters)
