@@ -1,6 +1,7 @@
 """CTB against request-level continuous batching: same engine, KV pool, task stream and seeds.
 
     python benchmarks/ctb.py [--repeats 3] [--workloads textworld,default,webshop] [--quick]
+                             [--noshare-caps all|pool]
 
 One rollout rank (one engine, one fixed KV pool) plays one step (N groups x G tasks, every task
 to its end) against a real env server on loopback (aiohttp, in-process, injected latency).
@@ -316,9 +317,12 @@ async def bench_workload(wl: Workload, args) -> dict:
         mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
         pool_cap = max(1, round(capacity / mean_ctx))
         contenders = [Contender("ctb", True), Contender("ctb", False)]
-        for share in (True, False):
-            contenders += [Contender("vanilla", share, cap)
-                           for cap in sweep_caps(n_tasks, pool_cap, args.quick)]
+        caps = sweep_caps(n_tasks, pool_cap, args.quick)
+        contenders += [Contender("vanilla", True, cap) for cap in caps]
+        # Without sharing: the whole sweep, or (--noshare-caps pool, a shorter run) the
+        # pool-sized cap only.
+        contenders += [Contender("vanilla", False, cap) for cap in caps
+                       if args.noshare_caps == "all" or cap == pool_cap]
         if args.only:
             keep = set(args.only.split(","))
             contenders = [c for c in contenders if c.name in keep]
@@ -416,6 +420,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="textworld,default,webshop")
     ap.add_argument("--quick", action="store_true",
                     help="fewer caps and no warm-up runs (a look, not a measurement)")
+    ap.add_argument("--noshare-caps", choices=("all", "pool"), default="all",
+                    help="vanilla caps without sharing: the whole sweep, or the pool-sized "
+                         "cap only (fewer runs; the headline figures are with sharing)")
     ap.add_argument("--ctb", default="", help="CTBConfig overrides, e.g. growth_horizon=0.25")
     ap.add_argument("--only", default="",
                     help="run only these contenders (exploration), e.g. ctb+share,vanilla@24+share")
@@ -446,7 +453,8 @@ def main() -> None:
         "throughput_ratio": min(w["throughput_ratio"] for w in share.values()),
         "met": all(w["hit_rate_ratio"] >= 2.0 and w["step_time_ratio"] <= 0.85
                    for w in share.values()),
-        "repeats": args.repeats, "quick": args.quick, "latency_scale": args.latency_scale,
+        "repeats": args.repeats, "quick": args.quick, "noshare_caps": args.noshare_caps,
+        "latency_scale": args.latency_scale,
         "wall_s": round(time.perf_counter() - t0, 1),
         "per_workload": summary,
     }

@@ -93,6 +93,8 @@ from tiderl.serving.pages import (
     StopReason,
 )
 from tiderl.serving.sampling import sample, token_keys
+from tiderl.serving.share import SiblingSharing
+from tiderl.serving.share import bucket as _bucket
 
 log = logging.getLogger(__name__)
 
@@ -177,26 +179,7 @@ def _spec(params) -> tuple[Any, list[tuple]]:
                      for p, x in leaves]
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= n)
-
-
-def _common_prefix(a, b, limit: int) -> int:
-    """Length of the common prefix of sequences `a` and `b`, at most `limit` (slice compares
-    run in C: a binary search over them beats a Python loop over thousands of tokens)."""
-    if tuple(a[:limit]) == tuple(b[:limit]):
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tuple(a[lo:mid]) == tuple(b[lo:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-class Engine:
+class Engine(SiblingSharing):
     """Paged-KV rollout engine for one rank (see the module docstring for the contract)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig,
@@ -423,68 +406,6 @@ class Engine:
         h.computed_max = max(h.computed_max, end)
         h.decoding = False
         self.counters.prefill_calls += 1
-
-    # -- prefix sharing ------------------------------------------------------------------------
-    def _best_source(self, h: Prefix, full: tuple[int, ...],
-                     share) -> tuple[Prefix | None, int]:
-        """The sibling whose resident KV covers the longest prefix of `full`, and its length."""
-        best, best_n = None, 0
-        for s in share:
-            if s is h or s.slot is None or not s.kv_length or s.version != self.version:
-                continue
-            n = _common_prefix(full, s.tokens, min(len(full), s.kv_length))
-            if n > best_n:
-                best, best_n = s, n
-        return best, best_n
-
-    def _attach(self, h: Prefix, src: Prefix, n: int) -> None:
-        """Gives `h` (no resident KV) the pages of `src` that hold its first `n` tokens."""
-        if h.slot is None:
-            h.slot = self.pages.open()
-            self._state().slots[h.slot] = h
-        else:
-            self.pages.release_pages(h.slot)
-        self.pages.share(h.slot, src.slot, -(-n // self.cfg.page_size))
-
-    def _cached_logits(self, full: tuple[int, ...]):
-        hit = self._prompt_logits.get(full)
-        if hit is None or hit[0] != self.version:
-            return None
-        self._prompt_logits.move_to_end(full)
-        return hit[1]
-
-    def _keep_logits(self, full: tuple[int, ...], logits_v) -> None:
-        self._prompt_logits[full] = (self.version, logits_v)
-        self._prompt_logits.move_to_end(full)
-        while len(self._prompt_logits) > self.cfg.max_slots:
-            self._prompt_logits.popitem(last=False)
-
-    def _sample_followers(self, follow: list, results: dict[int, tuple]) -> None:
-        """Siblings whose whole context is resident elsewhere: share its pages and sample the
-        first token from its logits (their own keys), computing nothing."""
-        rows_v = []
-        for *_, src, logits_v in follow:
-            if logits_v is None:
-                _, logits_bv, i, _ = results[id(src)]
-                logits_v = logits_bv[i]
-            rows_v.append(logits_v)
-        n = len(follow)
-        b = _bucket(n, self.cfg.decode_buckets) if n <= self.cfg.decode_buckets[-1] else n
-        logits_nv = jnp.stack(rows_v + [rows_v[0]] * (b - n))
-        pad = [0] * (b - n)
-        packed = np.asarray(self._sample_fn(
-            logits_nv, self.run_key,
-            np.array([h.task_id for h, *_ in follow] + pad, np.int32),
-            np.array([end for _, _, end, *_ in follow] + pad, np.int32),
-            np.array([temp for _, _, _, temp, *_ in follow] + [0.0] * (b - n), np.float32)))
-        host = np.asarray(logits_nv) if self.keep_logits else None
-        for i, (h, new, end, temp, cap, src, _) in enumerate(follow):
-            self._attach(h, src, end)
-            self._count_compute(h, end, end)
-            self._append(h, new, end, temp, cap)
-            self.counters.prompt_tokens_shared += end
-            self.counters.shared_samples += 1
-            self._take_sample(h, packed[i], None if host is None else host[i])
 
     def _check_capacity(self, rows, *, extra_slots: int = 0) -> None:
         slots = sum(h.slot is None for h, *_ in rows) + extra_slots
