@@ -20,6 +20,8 @@ NO_JAX = [
     "tiderl.serving.pages", "tiderl.serving.tasktable", "tiderl.serving.taskstats",
     "tiderl.serving.ctb_config", "tiderl.serving.valve",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
+    "tiderl.distributed", "tiderl.channel", "tiderl.cells", "tiderl.wire", "tiderl.agent",
+    "tiderl.localworld", "tiderl.supervise", "tiderl.control.promserve",
 ]
 
 

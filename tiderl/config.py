@@ -22,6 +22,7 @@ from tiderl.configlib import (
     to_dict,
 )
 from tiderl.control.config import ControllerConfig
+from tiderl.distributed import DistributedConfig
 from tiderl.envs.config import EnvConfig
 from tiderl.models.config import ModelConfig
 from tiderl.serving.config import RolloutConfig
@@ -76,6 +77,7 @@ class RunConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=_default_trainer)
     env: EnvConfig = dataclasses.field(default_factory=_default_env)
     controller: ControllerConfig = dataclasses.field(default_factory=_default_controller)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         if self.rollout.max_context > self.model.max_seq_len:
@@ -92,6 +94,11 @@ class RunConfig:
                 f"{self.rollout.page_size}); raise rollout.num_pages or lower rollout.max_context"
             )
         r = self.rollout
+        if self.model.n_heads % r.devices_per_rank:
+            raise ConfigError(
+                f"config key 'rollout.devices_per_rank'={r.devices_per_rank} does not divide "
+                f"model.n_heads={self.model.n_heads}: a tensor-parallel rank shards attention "
+                "heads over its devices; use a divisor of model.n_heads")
         if r.max_context > self.trainer.row_len:
             raise ConfigError(
                 f"config key 'rollout.max_context'={r.max_context} exceeds trainer.row_len="

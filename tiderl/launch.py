@@ -13,12 +13,14 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
+from tiderl.distributed import WorldError
 from tiderl.logs import setup_logging
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
   python -m tiderl.launch --config configs/tiny-8dev.yaml trainer.lr=1e-5 rollout.ranks=2
-sections: model, cluster, rollout, trainer, env, controller (see README "Configuration");
+sections: model, cluster, rollout, trainer, env, controller, distributed (README
+"Configuration", "Several hosts");
 values are YAML (numbers, true/false, [lists]).
 """
 
@@ -40,10 +42,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint (its saved "
                         "config.yaml is the base; overrides still apply)")
+    hosts = p.add_argument_group(
+        "several hosts", "one process per host, all in one JAX world (README 'Several hosts'); "
+        "shorthands for distributed.coordinator / num_processes / process_id")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT|auto",
+                       help="process 0's address (the same on every process), or auto to take "
+                            "the world from SLURM / torchrun-style / JAX_* variables")
+    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes in the world")
+    hosts.add_argument("--process-id", type=int, metavar="I",
+                       help="this process's index, 0..N-1 (0 runs the controller)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides applied after the preset")
     # Overrides may come before, between or after the flags.
     return p.parse_intermixed_args(argv)
+
+
+def world_overrides(args: argparse.Namespace) -> list[str]:
+    """The several-hosts flags as the config overrides they stand for."""
+    out = []
+    for flag, key in (("coordinator", "coordinator"), ("num_processes", "num_processes"),
+                      ("process_id", "process_id")):
+        if getattr(args, flag) is not None:
+            out.append(f"distributed.{key}={getattr(args, flag)}")
+    return out
 
 
 def validate(cfg: RunConfig) -> None:
@@ -105,14 +126,17 @@ def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     import jax
 
+    from tiderl.cells import device_plan_for
     from tiderl.cluster import init_jax, role_meshes
+    from tiderl.distributed import initialize
     from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
+    world = initialize(cfg.distributed)  # before any JAX backend starts; one process: no-op
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
-        cfg.device_plan(cfg.cluster.fake_cpu_devices)
+        device_plan_for(cfg, world.size, cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
-    plan = cfg.device_plan(len(devices), devices[0].platform)
+    plan = device_plan_for(cfg, world.size, len(devices) // world.size, devices[0].platform)
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
     # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
@@ -136,6 +160,23 @@ def build(cfg: RunConfig):
         graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])
     check_contract(graphdef, params, cfg.model)
     return devices, plan, meshes, graphdef, params
+
+
+def describe_world(cfg: RunConfig, plan, n_devices: int) -> str:
+    """The device plan, and on several processes the cells each one holds."""
+    from tiderl.cells import role_map
+    from tiderl.distributed import current
+
+    world = current()
+    if world.size == 1:
+        return plan.describe()
+    lines = [world.describe(), plan.describe()]
+    cells = role_map(plan, local_devices=n_devices // world.size, fsdp=cfg.trainer.fsdp,
+                     model_parallel=cfg.trainer.model_parallel).cells
+    for c in cells:
+        lines.append(f"  cell (process {c.process}, local devices {list(c.local)}): "
+                     f"{c.role} {c.index}")
+    return "\n".join(lines)
 
 
 def describe_policy(cfg: RunConfig, params) -> str:
@@ -162,13 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not Path(preset).is_file():
                 raise ConfigError(f"--resume {args.resume}: no config.yaml there; pass the run "
                                   "folder a previous tiderl.launch wrote")
-        overrides = list(args.overrides)
+        overrides = list(args.overrides) + world_overrides(args)
         if args.resume:
             overrides.append(f"run_dir={args.resume}")
         cfg = load_config(preset, overrides)
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        if cfg.distributed.coordinator and not args.plan:
+            from tiderl.supervise import supervise, supervised
+
+            if not supervised():  # the job runs in a child; its end becomes one clear line
+                return supervise(sys.argv[1:] if argv is None else list(argv),
+                                 coordinator=cfg.distributed.coordinator,
+                                 process_id=args.process_id, run_dir=cfg.run_dir)
         validate(cfg)
         if args.plan:
             import os
@@ -184,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"mode={cfg.controller.mode}")
             for line in settings:
                 print(f"  {line}")
-            print(plan.describe())
+            print(describe_world(cfg, plan, len(devices)))
             print(describe_policy(cfg, params))
             return 0
         summary = _run(cfg, args)
@@ -194,9 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Stopped as e:
         print(f"tiderl.launch: stopped: {e.__cause__}", file=sys.stderr)
         return 3
+    except WorldError as e:  # a process of a multi-host world went missing
+        print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("tiderl.launch: interrupted", file=sys.stderr)
         return 130
+    if cfg.distributed.coordinator and "process" in summary:  # a host agent: no report
+        print(f"tiderl.launch: process {summary['process']}: {summary['ended']}")
+        return 0
     print_report(cfg, summary)
     return 0
 

@@ -71,7 +71,11 @@ class ControllerConfig:
     """Trajectories of each evaluation decoded to `<run_dir>/samples/step_K.jsonl` (and one
     shown on the console); 0 writes none."""
     prometheus_port: int = -1
-    """Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, -1: off)."""
+    """Serve Prometheus metrics on prometheus_host:PORT (0: any free port, -1: off)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback unless you mean to expose it)."""
+    prometheus_token: str = ""
+    """Bearer token the endpoint requires; off loopback one is generated (and logged) if unset."""
     time_limit_s: float = 0.0
     """Stop after this much wall time (0: no limit); the run still evaluates and reports."""
     system_prompt: str = ""

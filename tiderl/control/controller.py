@@ -93,8 +93,9 @@ class StarvedStop(RuntimeError):
 class Hooks:
     """JAX-side work the controller triggers (provided by `tiderl.job`, or fakes in tests)."""
 
-    sync_weights: Callable[[Any, int], Awaitable[None]]
-    """Moves exported weights (version v) to every rollout rank; stale KV is flushed there."""
+    sync_weights: Callable[[Any, int], Awaitable[dict | None]]
+    """Moves exported weights (version v) to every rollout rank; stale KV is flushed there.
+    May return figures of the sync (e.g. `sync_gbps`) for the step's metrics record."""
     make_microbatches: Callable[[list[Any], bool], list[Any]]
     """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
     checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
@@ -440,8 +441,9 @@ class Controller:
                 t_sync = self.now()
                 plan = self.planner.plan(out["readiness"], self.roles)
                 self.roles = plan.roles
-                await self.hooks.sync_weights(await self.trainer.export_weights_async(),
-                                              self.version)
+                synced = await self.hooks.sync_weights(
+                    await self.trainer.export_weights_async(), self.version)
+                out["sync"] = synced if isinstance(synced, dict) else {}
                 sync_s = self.now() - t_sync
                 self._changed.set()
                 if c.mode == "sync":
@@ -538,7 +540,7 @@ class Controller:
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],
             "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
-            "sync_s": sync_s,
+            "sync_s": sync_s, **out.get("sync", {}),
             "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
             **({"t_rollout_start": self._t_roll[0] - self._t0,
                 "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge
 
 GAUGES = ("goodput", "gen_throughput", "kv_hit_rate", "reward_mean", "eval_success", "rwt_s",
           "twt_s", "step_time_s", "version", "staleness_mean", "rollout_ranks", "trainer_ranks",
@@ -56,7 +56,8 @@ class MetricsSink:
                  total_steps: int = 0, keep_records: int = 1000,
                  loggers: Sequence[str] = ("jsonl",), progress_every_s: float = 10.0,
                  wandb_project: str = "tiderl", wandb_mode: str = "offline",
-                 run_config: Mapping[str, Any] | None = None):
+                 run_config: Mapping[str, Any] | None = None,
+                 prometheus_host: str = "127.0.0.1", prometheus_token: str = ""):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_records)
@@ -65,10 +66,13 @@ class MetricsSink:
         self.gauges = {k: Gauge(f"tiderl_{k}", k, registry=self.registry)
                        for k in GAUGES + LIVE_GAUGES}
         self.port = None
+        self._server = None
         if prometheus_port >= 0:
-            server, _ = start_http_server(prometheus_port, addr="127.0.0.1",
-                                          registry=self.registry)
-            self.port = server.server_port
+            from tiderl.control.promserve import MetricsServer
+
+            self._server = MetricsServer(self.registry, prometheus_host, prometheus_port,
+                                         prometheus_token)
+            self.port = self._server.port
         self.sinks = None
         if any(x != "jsonl" for x in loggers):
             from tiderl.control.sinks import SinkThread
@@ -156,6 +160,9 @@ class MetricsSink:
         return Text("\n").join([head, Text("  " + self._lines["rollout"], style="dim")])
 
     def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
         if self._live is not None:
             self._live.stop()
             self._live = None

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from tiderl.configlib import ConfigError, apply_overrides, from_dict
-from tiderl.envs.config import EnvConfig
+from tiderl.envs.config import EnvConfig, with_default_token
 
 
 def parse(argv: list[str] | None = None) -> EnvConfig:
@@ -40,6 +40,7 @@ async def serve(cfg: EnvConfig) -> None:
     from tiderl.envs.server import EnvServer
     from tiderl.envs.suites import adapter_class
 
+    cfg, generated = with_default_token(cfg)
     server = EnvServer(adapter_class(cfg.suite), cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -48,7 +49,9 @@ async def serve(cfg: EnvConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
     async with server.serve() as url:
         # The first stdout line is the URL, so scripts can start us on port 0 and read it.
-        print(f"tiderl env server: suite={cfg.suite} url={url}", flush=True)
+        # Off loopback without --token a token is generated: clients pass it as env.token.
+        token = f" token={cfg.token}" if generated else ""
+        print(f"tiderl env server: suite={cfg.suite} url={url}{token}", flush=True)
         await stop.wait()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import secrets
 from typing import Literal
 
 from tiderl.configlib import ConfigError
@@ -244,3 +245,13 @@ class EnvConfig:
     def option_dict(self) -> dict[str, str]:
         """`options` as a dict of strings (suites parse their own values)."""
         return {k.strip(): v.strip() for k, v in (o.split("=", 1) for o in self.options)}
+
+
+
+
+def with_default_token(cfg: EnvConfig) -> tuple[EnvConfig, bool]:
+    """A server bound beyond loopback never runs open: an in-process or CLI env server with no
+    `env.token` gets a generated one (returned, and True) that its clients must send."""
+    if cfg.token or cfg.url or cfg.host in LOOPBACK:
+        return cfg, False
+    return dataclasses.replace(cfg, token=secrets.token_urlsafe(24)), True

@@ -21,6 +21,9 @@ class RolloutConfig:
 
     ranks: int = 1
     devices_per_rank: int = 1
+    """Devices of one rank (its cell): > 1 runs the engine tensor-parallel over them, SPMD, with
+    attention heads, MLP and vocabulary sharded on the cell's 'model' axis and the KV pools on
+    kv heads (replicated when model.n_kv_heads does not divide). Must divide model.n_heads."""
     scheduler: Literal["ctb", "vanilla"] = "ctb"
     """Task scheduler of the `tiderl` mode (the baseline modes always use 'vanilla')."""
     ctb: CTBConfig = dataclasses.field(default_factory=CTBConfig)
@@ -71,11 +74,6 @@ class RolloutConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'rollout.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
-        if self.devices_per_rank != 1:
-            raise ConfigError(
-                f"config key 'rollout.devices_per_rank'={self.devices_per_rank}: a rollout rank "
-                "on several devices (sharded KV pools) is not supported yet; set it to 1 and "
-                "raise rollout.ranks for more rollout devices")
         if self.temperature < 0:
             raise ConfigError("config key 'rollout.temperature' must be >= 0 (0 is greedy)")
         _check_buckets("decode_buckets", self.decode_buckets)

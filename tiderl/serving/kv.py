@@ -49,11 +49,14 @@ class KVPools:
 
 
 def init_pools(*, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
-               dtype, device=None) -> KVPools:
-    """Zeroed pools for `num_pages` real pages plus the scratch page."""
+               dtype, device=None, sharding=None) -> KVPools:
+    """Zeroed pools for `num_pages` real pages plus the scratch page, on `device` or in
+    `sharding` (a tensor-parallel rank's: kv heads over its cell)."""
     shape = (n_kv_heads, num_pages + 1, page_size, head_dim)
+    if sharding is None and device is not None:
+        sharding = jax.sharding.SingleDeviceSharding(device)
     make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-                   out_shardings=None if device is None else jax.sharding.SingleDeviceSharding(device))
+                   out_shardings=sharding)
     return KVPools(k=make(), v=make())
 
 
