@@ -1,7 +1,7 @@
 """CTB against request-level continuous batching: same engine, KV pool, task stream and seeds.
 
     python benchmarks/ctb.py [--repeats 3] [--workloads textworld,default,webshop] [--quick]
-                             [--noshare-caps all|pool]
+                             [--sweep full|short] [--noshare-caps all|pool]
 
 One rollout rank (one engine, one fixed KV pool) plays one step (N groups x G tasks, every task
 to its end) against a real env server on loopback (aiohttp, in-process, injected latency).
@@ -276,9 +276,10 @@ def prepare(wl: Workload) -> list:
     return groups
 
 
-def sweep_caps(n_tasks: int, pool_cap: int, quick: bool) -> list[int]:
-    """Vanilla caps: the pool-sized one, half and twice it, ~39% / ~78% / all of the tasks."""
-    caps = {pool_cap, round(2 * pool_cap), n_tasks} if quick else {
+def sweep_caps(n_tasks: int, pool_cap: int, short: bool) -> list[int]:
+    """Vanilla caps: the pool-sized one, half and twice it, ~39% / ~78% / all of the tasks
+    (`short`: the pool-sized one, twice it and all of the tasks)."""
+    caps = {pool_cap, round(2 * pool_cap), n_tasks} if short else {
         round(0.5 * pool_cap), pool_cap, round(2 * pool_cap), round(0.39 * n_tasks),
         round(0.78 * n_tasks), n_tasks}
     return sorted(c for c in caps if 1 <= c <= n_tasks)
@@ -317,7 +318,7 @@ async def bench_workload(wl: Workload, args) -> dict:
         mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
         pool_cap = max(1, round(capacity / mean_ctx))
         contenders = [Contender("ctb", True), Contender("ctb", False)]
-        caps = sweep_caps(n_tasks, pool_cap, args.quick)
+        caps = sweep_caps(n_tasks, pool_cap, args.quick or args.sweep == "short")
         contenders += [Contender("vanilla", True, cap) for cap in caps]
         # Without sharing: the whole sweep, or (--noshare-caps pool, a shorter run) the
         # pool-sized cap only.
@@ -420,6 +421,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="textworld,default,webshop")
     ap.add_argument("--quick", action="store_true",
                     help="fewer caps and no warm-up runs (a look, not a measurement)")
+    ap.add_argument("--sweep", choices=("full", "short"), default="full",
+                    help="vanilla caps: full (pool-sized, half and twice it, ~39%%/~78%%/all "
+                         "of the tasks) or short (pool-sized, twice it, all tasks; warm-ups kept)")
     ap.add_argument("--noshare-caps", choices=("all", "pool"), default="all",
                     help="vanilla caps without sharing: the whole sweep, or the pool-sized "
                          "cap only (fewer runs; the headline figures are with sharing)")
@@ -454,6 +458,7 @@ def main() -> None:
         "met": all(w["hit_rate_ratio"] >= 2.0 and w["step_time_ratio"] <= 0.85
                    for w in share.values()),
         "repeats": args.repeats, "quick": args.quick, "noshare_caps": args.noshare_caps,
+        "sweep": "short" if args.quick else args.sweep,
         "latency_scale": args.latency_scale,
         "wall_s": round(time.perf_counter() - t0, 1),
         "per_workload": summary,
