@@ -1,20 +1,29 @@
-"""CTB against request-level continuous batching: same engine, same KV pool, same task stream.
+"""CTB against request-level continuous batching: same engine, KV pool, task stream and seeds.
 
-    python benchmarks/ctb.py [--repeats 3] [--groups 4] [--group-size 8] [--workloads textworld,default]
+    python benchmarks/ctb.py [--repeats 3] [--workloads textworld,default,webshop] [--quick]
+                             [--sweep full|short] [--noshare-caps all|pool]
 
-One rollout rank (one engine, one fixed KV pool of `num_pages`) plays one step of N groups x G
-tasks against a real env server on loopback (aiohttp, in-process, injected lognormal latency):
-  ctb            Algorithm 1 (token budgets from the pool, probe, pause/resume by priority)
-  vanilla@hi/lo  request-level batching with a fixed concurrency cap (the paper's F10/F9 setting:
-                 caps at ~78% and ~39% of the step's tasks, like 1024 and 512 of 1,312); a waiting
-                 task's KV is evicted (LRU) when pages run short and re-prefilled when it returns.
-Every contender plays exactly the same tokens: sampling keys come from (task id, position) and
-the envs are deterministic, so trajectories match token for token (checked, printed).
-Per contender (median over repeats, contenders interleaved, one untimed warm-up each):
-KV hit rate (prompt tokens served from resident KV / prompt tokens needed), prefill tokens
-computed and recomputed after eviction, decode tokens/s over the step, step duration.
-The last stdout line is one JSON object with the headline figures (over the workloads: hit rates
-pooled over tokens, step time ratio as the geometric mean).
+One rollout rank (one engine, one fixed KV pool) plays one step (N groups x G tasks, every task
+to its end) against a real env server on loopback (aiohttp, in-process, injected latency).
+Contenders, each with and without sibling prefix sharing (a GRPO group's prompt prefilled once
+per rank, siblings take its pages copy-on-write):
+  ctb            task-level scheduling (arXiv 2608.10402, Algorithm 1): token budgets, probe,
+                 pause/resume by priority, waits and growth learned online
+  vanilla@C      request-level batching with a fixed cap C on tasks in flight; a waiting task's
+                 KV is evicted (LRU) when pages run short and re-prefilled when it returns.
+                 C is swept: the pool-sized cap (KV capacity / mean context a turn needs,
+                 measured), half and twice that, the paper's ~39% and ~78% of the step's
+                 tasks, and all of them. Its best cap (shortest median step) is chosen per
+                 workload and per sharing setting.
+Fairness: one untimed warm-up run per contender (compiles, env server, caches), contenders
+interleaved and rotated per repeat, medians over repeats; hit rates pooled over repeats by
+prompt tokens; sampling keys come from (task, position) and the envs are deterministic, so every
+contender plays the same tasks (token-identical trajectories are checked and printed).
+Per contender: KV hit rate (prompt tokens served from resident KV / needed), prefill tokens
+computed and recomputed, generation (decode) throughput, engine busy fraction, mean tasks
+executing / ready / waiting on their env, step duration.
+The last stdout line is one JSON object: `hit_rate_ratio` and `step_time_ratio` of CTB against
+the best vanilla, both with sharing, at the worst workload, and `per_workload`.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -34,6 +43,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 
 import jax  # noqa: E402
 
+from tiderl.envs.adapters.base import Step  # noqa: E402
+from tiderl.envs.adapters.default import GuessNumber  # noqa: E402
 from tiderl.envs.client import EnvClient  # noqa: E402
 from tiderl.envs.config import EnvConfig, LatencyConfig  # noqa: E402
 from tiderl.envs.server import EnvServer  # noqa: E402
@@ -45,7 +56,7 @@ from tiderl.models.policy import init_policy  # noqa: E402
 from tiderl.models.tokenizer import ByteTokenizer  # noqa: E402
 from tiderl.serving.config import RolloutConfig  # noqa: E402
 from tiderl.serving.ctb import CTBConfig, make_scheduler  # noqa: E402
-from tiderl.serving.engine import Engine  # noqa: E402
+from tiderl.serving.engine import Engine, PrefillRequest  # noqa: E402
 from tiderl.serving.rank import RolloutRank  # noqa: E402
 from tiderl.serving.rollout import RolloutManager  # noqa: E402
 
@@ -63,18 +74,71 @@ class Workload:
     max_context: int
     num_pages: int
     """The KV pool: the same for every contender of this workload."""
-    latency_s: float
-    """Median injected env latency per step (lognormal, sigma 0.5; /start x2)."""
+    latency: LatencyConfig
+    groups: int
+    group_size: int
 
 
 WORKLOADS = {
     # TextWorld: ~650-token first observation (quest + room), ~40 tokens per turn after.
-    "textworld": Workload("textworld", "textworld", ("rooms=3", "objects=4", "quest_length=3"),
-                          max_turns=6, max_context=1024, num_pages=360, latency_s=0.2),
+    "textworld": Workload(
+        "textworld", "textworld", ("rooms=3", "objects=4", "quest_length=3"), max_turns=6,
+        max_context=1024, num_pages=360, groups=4, group_size=6,
+        latency=LatencyConfig(dist="lognormal", median_s=0.2, sigma=0.5, start_factor=2.0,
+                              seed=1)),
     # Guess-the-number with a long guess budget: tiny prompt, many short turns.
-    "default": Workload("default", "default", ("n=8", "guesses=16"),
-                        max_turns=16, max_context=512, num_pages=96, latency_s=0.1),
+    "default": Workload(
+        "default", "default", ("n=8", "guesses=16"), max_turns=16, max_context=512,
+        num_pages=96, groups=4, group_size=6,
+        latency=LatencyConfig(dist="lognormal", median_s=0.1, sigma=0.5, start_factor=2.0,
+                              seed=1)),
+    # Shaped like the paper's WebShop (Table 4: ~8 turns, ~3,000-token contexts): the default
+    # task's server with a ~400-byte page per observation (search results, product pages),
+    # and a heavy-tailed env (Pareto, alpha 1.5: most steps fast, a few take seconds).
+    # One group of 8: every turn prefills hundreds of tokens against a long context, which
+    # this CPU engine computes at a few hundred to a few thousand tokens per second.
+    "webshop": Workload(
+        "webshop", "webshop", ("n=8", "guesses=8", "page=360"), max_turns=8,
+        max_context=3584, num_pages=640, groups=1, group_size=8,
+        latency=LatencyConfig(dist="pareto", scale_s=0.05, alpha=1.5, cap_s=3.0,
+                              start_factor=2.0, seed=1)),
 }
+
+WORDS = ("results for item price rating size color brand shipping review stars buy now add "
+         "cart options pack of new used deal best seller compare details back next page "
+         "description features material fit care returns free delivery in stock").split()
+
+
+class WebShopShaped(GuessNumber):
+    """The default task with a long pseudo web page appended to every observation: what the
+    agent sees is `page` bytes of listing text, then the game's feedback. The first page
+    depends on the group's seed only, so GRPO siblings share their prompt."""
+
+    def __init__(self, options=None):
+        opts = dict(options or {})
+        self.page = int(opts.pop("page", "360"))
+        super().__init__(opts)
+
+    def reset(self, task):
+        self._seed = int(task.get("seed", 0))
+        self._turn = 0
+        return self._page(0, "") + super().reset(task)
+
+    def step(self, action: str) -> Step:
+        st = super().step(action)
+        self._turn += 1
+        return dataclasses.replace(st, observation=self._page(self._turn, action) +
+                                   st.observation)
+
+    def _page(self, turn: int, action: str) -> str:
+        rng = random.Random(f"{self._seed}/{turn}/{action[:8]}")
+        out: list[str] = []
+        n = 0
+        while n < self.page:
+            w = rng.choice(WORDS)
+            out.append(w)
+            n += len(w) + 1
+        return " ".join(out)[: self.page] + "\n"
 
 
 def printable(action: str) -> str:
@@ -84,6 +148,8 @@ def printable(action: str) -> str:
 
 
 def adapter_for(suite: str):
+    if suite == "webshop":
+        return WebShopShaped
     cls = adapter_class(suite)
     if suite != "textworld":
         return cls
@@ -102,16 +168,30 @@ def rollout_cfg(wl: Workload, stop_ids) -> RolloutConfig:
                          stop_tokens=tuple(sorted(stop_ids)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    kind: str  # "ctb" | "vanilla"
+    share: bool
+    cap: int = 0
+
+    @property
+    def name(self) -> str:
+        base = "ctb" if self.kind == "ctb" else f"vanilla@{self.cap}"
+        return base + ("+share" if self.share else "")
+
+
 async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, groups: list,
-                   kind: str, cap: int) -> dict:
+                   c: Contender) -> dict:
     """One step (every group to its end) under one scheduler; returns its figures."""
     tmpl = template_for(ByteTokenizer(), "byte")
-    rank = RolloutRank(0, engine, max_prefills_per_step=16)
+    rank = RolloutRank(0, engine, max_prefills_per_step=16, share_prefixes=c.share)
     await rank.start()
-    ctb = CTBConfig(**{"action_reserve": rcfg.max_action_tokens, "vanilla_concurrency": cap,
-                       "env_concurrency": rcfg.max_slots, **CTB_OVERRIDES})
-    sched = make_scheduler(kind, ctb, [rcfg.num_pages * rcfg.page_size],
-                           max_context=rcfg.max_context)
+    ctb = CTBConfig(**{"action_reserve": rcfg.max_action_tokens,
+                       "vanilla_concurrency": max(1, c.cap),
+                       "env_concurrency": rcfg.max_slots, "shared_prompts": c.share,
+                       **CTB_OVERRIDES})
+    sched = make_scheduler(c.kind, ctb, [rcfg.num_pages * rcfg.page_size],
+                           max_context=rcfg.max_context, page_size=rcfg.page_size)
     active_samples: list[int] = []
 
     async def sample_active():
@@ -119,11 +199,12 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
             active_samples.append(sched.n_active())
             await asyncio.sleep(0.05)
             if VERBOSE and len(active_samples) % 40 == 0:
-                print(f"    {kind} t={len(active_samples) * 0.05:.0f}s active {sched.n_active()} "
-                      f"pending {sched.pending()} turns {rank.stats.turns} "
-                      f"decode {rank.stats.decode_steps} {mgr.decisions} "
-                      f"{mgr.end_reasons}", file=sys.stderr, flush=True)
+                print(f"    {c.name} t={len(active_samples) * 0.05:.0f}s active "
+                      f"{sched.n_active()} pending {sched.pending()} turns {rank.stats.turns} "
+                      f"phases {sched.phases.counts} {mgr.decisions}", file=sys.stderr,
+                      flush=True)
 
+    c0 = dataclasses.replace(engine.counters)
     async with EnvClient(url, EnvConfig(concurrency=256)) as env:
         mgr = RolloutManager([rank], sched, env, tmpl, max_turns=wl.max_turns)
         sampler = asyncio.create_task(sample_active())
@@ -131,22 +212,28 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
         trajs = await asyncio.gather(*(mgr.run_group(g) for g in groups))
         dt = time.perf_counter() - t0
         sampler.cancel()
+        st = mgr.stats()
     await rank.close()
     trajs = [t for g in trajs for t in g]
-    st, rs = mgr.stats(), rank.stats
+    rs, c1 = rank.stats, engine.counters
     return {
         "step_s": dt,
-        "hit_rate": st["kv_hit_rate"],
         "prompt_tokens": st["prompt_tokens"],
         "cached_tokens": st["cached_tokens"],
         "computed_tokens": st["computed_tokens"],
         "recomputed_evicted": rs.recomputed_evicted,
+        "shared_tokens": c1.prompt_tokens_shared - c0.prompt_tokens_shared,
         "decode_tokens": st["decode_tokens"],
         "decode_tok_s": st["decode_tokens"] / dt,
         "forced_evictions": st["forced_evictions"],
         "pauses": st["decisions"]["pause"],
+        "parks": st["decisions"]["park"],
         "mean_active": statistics.fmean(active_samples) if active_samples else 0.0,
-        "busy_frac": rs.busy_s / dt,
+        "engine_busy": st["engine_busy"],
+        "tasks_executing": st["tasks_executing"],
+        "tasks_ready": st["tasks_ready"],
+        "tasks_waiting": st["tasks_waiting"],
+        "turns": rs.turns,
         "end_reasons": st["end_reasons"],
         "tasks": len(trajs),
         "signature": hash(tuple(tuple(t.tokens) for t in sorted(trajs, key=lambda t: t.task_id))),
@@ -157,23 +244,16 @@ def warm_up(engine: Engine, rcfg: RolloutConfig) -> float:
     """Compiles every (rows, length) bucket the steps can hit, outside the timed steps."""
     t0 = time.perf_counter()
     engine.init_decode_state()
-    many = getattr(engine, "prefill_many", None)
-    rows = rcfg.decode_buckets if many is not None else rcfg.decode_buckets[:1]
     prev_b = 0
-    for b in rows:
+    for b in rcfg.decode_buckets:
         n_rows = min(b, prev_b + 1)  # the smallest batch that lands in bucket b
         prev_b = b
         for t in rcfg.prefill_buckets:
             if n_rows * t > rcfg.num_pages * rcfg.page_size // 2:
                 t = rcfg.prefill_buckets[0]
+            hs = engine.prefill_many(None, [PrefillRequest(None, [65] * t, t, task_id=10**6 + i)
+                                            for i in range(n_rows)])
             state = engine.state
-            if many is not None:
-                from tiderl.serving.engine import PrefillRequest
-
-                hs = many(None, [PrefillRequest(None, [65] * t, t, task_id=10**6 + i)
-                                 for i in range(n_rows)])
-            else:
-                hs = [engine.prefill(None, None, [65] * t, t, task_id=10**6)]
             for h in hs:
                 state = engine.insert(h, state)
             engine.generate(None, state)
@@ -182,10 +262,12 @@ def warm_up(engine: Engine, rcfg: RolloutConfig) -> float:
     return time.perf_counter() - t0
 
 
-def prepare(wl: Workload, n_groups: int, group_size: int) -> list:
-    src = TaskSource(wl.suite, "train", groups=max(n_groups, 2), group_size=group_size,
-                     options=dict(o.split("=", 1) for o in wl.options))
-    groups = [src.element(k) for k in range(n_groups)]
+def prepare(wl: Workload) -> list:
+    suite = "default" if wl.suite == "webshop" else wl.suite
+    opts = dict(o.split("=", 1) for o in wl.options if not o.startswith("page="))
+    src = TaskSource(suite, "train", groups=max(wl.groups, 2), group_size=wl.group_size,
+                     options=opts)
+    groups = [src.element(k) for k in range(wl.groups)]
     if wl.suite == "textworld":  # compile the games outside the timed steps (~2.5 s each)
         from tiderl.envs.adapters.textworld import compile_game, default_cache_dir, game_shape
 
@@ -194,87 +276,163 @@ def prepare(wl: Workload, n_groups: int, group_size: int) -> list:
     return groups
 
 
+def sweep_caps(n_tasks: int, pool_cap: int, short: bool) -> list[int]:
+    """Vanilla caps: the pool-sized one, half and twice it, ~39% / ~78% / all of the tasks
+    (`short`: the pool-sized one, twice it and all of the tasks)."""
+    caps = {pool_cap, round(2 * pool_cap), n_tasks} if short else {
+        round(0.5 * pool_cap), pool_cap, round(2 * pool_cap), round(0.39 * n_tasks),
+        round(0.78 * n_tasks), n_tasks}
+    return sorted(c for c in caps if 1 <= c <= n_tasks)
+
+
 async def bench_workload(wl: Workload, args) -> dict:
-    tok = ByteTokenizer()
-    tmpl = template_for(tok, "byte")
+    tmpl = template_for(ByteTokenizer(), "byte")
     rcfg = rollout_cfg(wl, tmpl.stop_ids)
     graphdef, params = init_policy(MODEL, seed=0)
     engine = Engine(graphdef, jax.device_put(params, jax.devices()[0]), MODEL, rcfg, seed=123)
-    n_tasks = args.groups * args.group_size
-    caps = {"ctb": None, f"vanilla@{round(0.78 * n_tasks)}": round(0.78 * n_tasks),
-            f"vanilla@{round(0.39 * n_tasks)}": round(0.39 * n_tasks)}
-    groups = prepare(wl, args.groups, args.group_size)
+    n_tasks = wl.groups * wl.group_size
+    groups = prepare(wl)
     print(f"  [{wl.name}] compiled in {warm_up(engine, rcfg):.1f}s", file=sys.stderr, flush=True)
-    env_cfg = EnvConfig(suite=wl.suite, options=wl.options, max_sessions=4096,
-                        latency=LatencyConfig(dist="lognormal", median_s=wl.latency_s,
-                                              sigma=0.5, start_factor=2.0, seed=1))
-    runs: dict[str, list[dict]] = {k: [] for k in caps}
+    env_cfg = EnvConfig(suite="default" if wl.suite == "webshop" else wl.suite,
+                        options=tuple(o for o in wl.options), max_sessions=4096,
+                        latency=wl.latency)
+    capacity = rcfg.num_pages * rcfg.page_size
+    runs: dict[Contender, list[dict]] = {}
     # One env worker thread: TextWorld's z-machine is not thread-safe (concurrent sessions in
     # threads crash it), so adapter calls are serialised; injected latency still overlaps.
     async with EnvServer(adapter_for(wl.suite), env_cfg, workers=1).serve() as url:
+        async def once(c: Contender, label: str) -> dict:
+            r = await run_step(engine, rcfg, wl, url, groups, c)
+            hit = r["cached_tokens"] / max(1, r["prompt_tokens"])
+            print(f"  [{wl.name}] {label:7s} {c.name:18s} step {r['step_s']:6.2f}s hit "
+                  f"{hit:.3f} computed {r['computed_tokens']:6d} evictions "
+                  f"{r['forced_evictions']:4d} pauses {r['pauses']:3d}+{r['parks']:3d} busy "
+                  f"{r['engine_busy']:.2f} exec/ready/wait {r['tasks_executing']:.1f}/"
+                  f"{r['tasks_ready']:.1f}/{r['tasks_waiting']:.1f}", file=sys.stderr,
+                  flush=True)
+            return r
+
+        # The pool-sized cap needs the mean context a turn needs: measured on an untimed run
+        # with every task in flight (the caps sweep around it).
+        probe = await once(Contender("vanilla", True, n_tasks), "sizing")
+        mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
+        pool_cap = max(1, round(capacity / mean_ctx))
+        contenders = [Contender("ctb", True), Contender("ctb", False)]
+        caps = sweep_caps(n_tasks, pool_cap, args.quick or args.sweep == "short")
+        contenders += [Contender("vanilla", True, cap) for cap in caps]
+        # Without sharing: the whole sweep, or (--noshare-caps pool, a shorter run) the
+        # pool-sized cap only.
+        contenders += [Contender("vanilla", False, cap) for cap in caps
+                       if args.noshare_caps == "all" or cap == pool_cap]
+        if args.only:
+            keep = set(args.only.split(","))
+            contenders = [c for c in contenders if c.name in keep]
+        for c in contenders:
+            if not args.quick:
+                await once(c, "warm-up")
+            runs[c] = []
         for rep in range(args.repeats):
-            for name, cap in caps.items():
-                kind = "ctb" if cap is None else "vanilla"
-                r = await run_step(engine, rcfg, wl, url, groups, kind, cap or 1)
-                runs[name].append(r)
-                print(f"  [{wl.name}] rep {rep} {name:12s} step {r['step_s']:6.2f}s "
-                      f"hit {r['hit_rate']:.3f} recomputed {r['recomputed_evicted']:6d} "
-                      f"evictions {r['forced_evictions']:4d} pauses {r['pauses']:3d} "
-                      f"active {r['mean_active']:.1f}", file=sys.stderr, flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in
-                  ("step_s", "hit_rate", "prompt_tokens", "cached_tokens", "computed_tokens",
-                   "recomputed_evicted", "decode_tokens", "decode_tok_s", "forced_evictions",
-                   "pauses", "mean_active", "busy_frac")}
-           for name, rs in runs.items()}
+            k = rep % len(contenders)
+            for c in contenders[k:] + contenders[:k]:  # rotated: no contender always first
+                runs[c].append(await once(c, f"rep {rep}"))
+    keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
+            "decode_tokens", "decode_tok_s", "forced_evictions", "pauses", "parks", "mean_active",
+            "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting")
+    med = {}
+    for c, rs in runs.items():
+        m = {k: statistics.median(r[k] for r in rs) for k in keys}
+        # Pooled over the repeats by tokens (not a mean of per-run rates).
+        m["prompt_tokens"] = sum(r["prompt_tokens"] for r in rs)
+        m["cached_tokens"] = sum(r["cached_tokens"] for r in rs)
+        m["hit_rate"] = m["cached_tokens"] / max(1, m["prompt_tokens"])
+        med[c] = m
     sigs = {r["signature"] for rs in runs.values() for r in rs}
-    reasons = {name: rs[0]["end_reasons"] for name, rs in runs.items()}
-    return {"workload": wl, "caps": caps, "median": med, "identical_tokens": len(sigs) == 1,
-            "end_reasons": reasons, "tasks": n_tasks, "capacity_tokens": rcfg.num_pages * 16}
+    return {"workload": wl, "contenders": contenders, "median": med,
+            "identical_tokens": len(sigs) == 1, "tasks": n_tasks, "capacity_tokens": capacity,
+            "mean_context": mean_ctx, "pool_cap": pool_cap,
+            "end_reasons": runs[contenders[0]][0]["end_reasons"]}
+
+
+ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
+        ("prefill tokens computed", "computed_tokens", "{:.0f}"),
+        ("  recomputed after eviction", "recomputed_evicted", "{:.0f}"),
+        ("  shared from a sibling", "shared_tokens", "{:.0f}"),
+        ("forced evictions", "forced_evictions", "{:.0f}"),
+        ("CTB pauses (over budget)", "pauses", "{:.0f}"),
+        ("CTB parks (release valve)", "parks", "{:.0f}"),
+        ("mean tasks in flight", "mean_active", "{:.1f}"),
+        ("tasks executing (mean)", "tasks_executing", "{:.2f}"),
+        ("tasks ready (mean)", "tasks_ready", "{:.2f}"),
+        ("tasks waiting on env (mean)", "tasks_waiting", "{:.2f}"),
+        ("engine busy fraction", "engine_busy", "{:.2f}"),
+        ("generation tokens/s", "decode_tok_s", "{:.1f}"),
+        ("step duration s (median)", "step_s", "{:.2f}")]
 
 
 def report(res: dict) -> dict:
-    wl, med = res["workload"], res["median"]
-    vanillas = [n for n in med if n != "ctb"]
-    best = min(vanillas, key=lambda n: med[n]["step_s"])
-    print(f"\n== {wl.name}: {res['tasks']} tasks ({wl.suite} {' '.join(wl.options)}), "
-          f"max_turns {wl.max_turns}, KV pool {wl.num_pages} pages = {res['capacity_tokens']} "
-          f"tokens, env latency lognormal median {wl.latency_s}s")
-    cols = ["ctb"] + vanillas
-    rows = [("KV hit rate", "hit_rate", "{:.3f}"), ("prompt tokens needed", "prompt_tokens", "{:.0f}"),
-            ("prefill tokens computed", "computed_tokens", "{:.0f}"),
-            ("  recomputed after eviction", "recomputed_evicted", "{:.0f}"),
-            ("forced evictions", "forced_evictions", "{:.0f}"), ("CTB pauses", "pauses", "{:.0f}"),
-            ("mean tasks in flight", "mean_active", "{:.1f}"),
-            ("decode tokens", "decode_tokens", "{:.0f}"),
-            ("decode tokens/s", "decode_tok_s", "{:.1f}"),
-            ("engine busy fraction", "busy_frac", "{:.2f}"), ("step duration s", "step_s", "{:.2f}")]
-    print(f"{'':30s}" + "".join(f"{c:>14s}" for c in cols))
-    for label, key, fmt in rows:
-        print(f"{label:30s}" + "".join(f"{fmt.format(med[c][key]):>14s}" for c in cols))
+    wl, med, cs = res["workload"], res["median"], res["contenders"]
+    print(f"\n== {wl.name}: {res['tasks']} tasks ({wl.groups} groups x {wl.group_size}; {wl.suite} "
+          f"{' '.join(wl.options)}), max_turns {wl.max_turns}, KV pool {wl.num_pages} pages = "
+          f"{res['capacity_tokens']} tokens, mean context per turn {res['mean_context']:.0f} "
+          f"(pool-sized cap {res['pool_cap']}), env latency {wl.latency.dist}")
+    for share in (True, False):
+        cols = [c for c in cs if c.share == share]
+        print(f"{'':30s}" + "".join(f"{c.name:>19s}" for c in cols))
+        for label, key, fmt in ROWS:
+            print(f"{label:30s}" + "".join(f"{fmt.format(med[c][key]):>19s}" for c in cols))
     print(f"same tokens in every run: {res['identical_tokens']}; end reasons: "
-          f"{res['end_reasons']['ctb']}")
-    hv = max(med[n]["hit_rate"] for n in vanillas)
-    out = {
-        "hit_rate_ctb": med["ctb"]["hit_rate"], "hit_rate_vanilla": hv,
-        "hit_rate_ratio": med["ctb"]["hit_rate"] / max(hv, 1e-9),
-        "step_time_ratio": med["ctb"]["step_s"] / med[best]["step_s"],
-        "throughput_ratio": med["ctb"]["decode_tok_s"] / med[best]["decode_tok_s"],
-        "recompute_ratio": med["ctb"]["computed_tokens"] / med[best]["computed_tokens"],
-        "best_vanilla": best,
-    }
-    print(f"CTB / best vanilla ({best}): hit rate x{out['hit_rate_ratio']:.2f} (vs the better "
-          f"vanilla hit rate), step time x{out['step_time_ratio']:.3f}, decode throughput "
-          f"x{out['throughput_ratio']:.2f}, prefill computed x{out['recompute_ratio']:.2f}")
+          f"{res['end_reasons']}")
+    out: dict = {}
+    for share in (True, False):
+        tag = "share" if share else "noshare"
+        ctb = next(c for c in cs if c.kind == "ctb" and c.share == share)
+        vs = [c for c in cs if c.kind == "vanilla" and c.share == share]
+        best = min(vs, key=lambda c: med[c]["step_s"])
+        top_hit = max(med[c]["hit_rate"] for c in vs)
+        m, b = med[ctb], med[best]
+        out[tag] = {
+            "best_vanilla": best.name, "best_cap": best.cap,
+            "hit_rate_ctb": round(m["hit_rate"], 4), "hit_rate_vanilla": round(b["hit_rate"], 4),
+            "hit_rate_ratio": round(m["hit_rate"] / max(b["hit_rate"], 1e-9), 3),
+            "hit_rate_ratio_vs_best_hit": round(m["hit_rate"] / max(top_hit, 1e-9), 3),
+            "step_s_ctb": round(m["step_s"], 3), "step_s_vanilla": round(b["step_s"], 3),
+            "step_time_ratio": round(m["step_s"] / b["step_s"], 3),
+            "throughput_ratio": round(m["decode_tok_s"] / max(b["decode_tok_s"], 1e-9), 3),
+            "prefill_computed_ratio": round(m["computed_tokens"] / max(b["computed_tokens"], 1),
+                                            3),
+            "engine_busy_ctb": round(m["engine_busy"], 3),
+            "engine_busy_vanilla": round(b["engine_busy"], 3),
+            "tasks_executing_ctb": round(m["tasks_executing"], 2),
+            "tasks_waiting_ctb": round(m["tasks_waiting"], 2),
+        }
+        o = out[tag]
+        print(f"[{tag}] CTB / best vanilla ({best.name}): hit rate x{o['hit_rate_ratio']:.2f} "
+              f"(x{o['hit_rate_ratio_vs_best_hit']:.2f} vs the best vanilla hit rate), step "
+              f"time x{o['step_time_ratio']:.3f}, generation throughput "
+              f"x{o['throughput_ratio']:.2f}, prefill computed x{o['prefill_computed_ratio']:.2f}")
+    out["identical_tokens"] = res["identical_tokens"]
+    out["pool_cap"] = res["pool_cap"]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=6)
-    ap.add_argument("--workloads", default="textworld,default")
+    ap.add_argument("--workloads", default="textworld,default,webshop")
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer caps and no warm-up runs (a look, not a measurement)")
+    ap.add_argument("--sweep", choices=("full", "short"), default="full",
+                    help="vanilla caps: full (pool-sized, half and twice it, ~39%%/~78%%/all "
+                         "of the tasks) or short (pool-sized, twice it, all tasks; warm-ups kept)")
+    ap.add_argument("--noshare-caps", choices=("all", "pool"), default="all",
+                    help="vanilla caps without sharing: the whole sweep, or the pool-sized "
+                         "cap only (fewer runs; the headline figures are with sharing)")
     ap.add_argument("--ctb", default="", help="CTBConfig overrides, e.g. growth_horizon=0.25")
+    ap.add_argument("--only", default="",
+                    help="run only these contenders (exploration), e.g. ctb+share,vanilla@24+share")
+    ap.add_argument("--latency-scale", type=float, default=1.0,
+                    help="multiply every workload's env latency (how the result depends on "
+                         "the env-wait / compute ratio: a faster or slower machine)")
     args = ap.parse_args()
     for kv in filter(None, args.ctb.split(",")):
         k, v = kv.split("=", 1)
@@ -284,21 +442,26 @@ def main() -> None:
     t0 = time.perf_counter()
     summary: dict = {}
     for name in args.workloads.split(","):
-        res = asyncio.run(bench_workload(WORKLOADS[name], args))
+        wl = WORKLOADS[name]
+        if args.latency_scale != 1.0:
+            x = args.latency_scale
+            wl = dataclasses.replace(wl, latency=dataclasses.replace(
+                wl.latency, median_s=wl.latency.median_s * x, scale_s=wl.latency.scale_s * x,
+                cap_s=wl.latency.cap_s * x))
+        res = asyncio.run(bench_workload(wl, args))
         summary[name] = report(res)
-    ws = list(summary.values())
+    share = {k: w["share"] for k, w in summary.items()}
     head = {
-        "hit_rate_ctb": statistics.fmean(w["hit_rate_ctb"] for w in ws),
-        "hit_rate_vanilla": statistics.fmean(w["hit_rate_vanilla"] for w in ws),
-        "hit_rate_ratio": math.exp(statistics.fmean(math.log(w["hit_rate_ratio"]) for w in ws)),
-        "step_time_ratio": math.exp(statistics.fmean(math.log(w["step_time_ratio"])
-                                                     for w in ws)),
-        "throughput_ratio": math.exp(statistics.fmean(math.log(w["throughput_ratio"])
-                                                      for w in ws)),
-        "repeats": args.repeats, "groups": args.groups, "group_size": args.group_size,
+        "hit_rate_ratio": min(w["hit_rate_ratio"] for w in share.values()),
+        "step_time_ratio": max(w["step_time_ratio"] for w in share.values()),
+        "throughput_ratio": min(w["throughput_ratio"] for w in share.values()),
+        "met": all(w["hit_rate_ratio"] >= 2.0 and w["step_time_ratio"] <= 0.85
+                   for w in share.values()),
+        "repeats": args.repeats, "quick": args.quick, "noshare_caps": args.noshare_caps,
+        "sweep": "short" if args.quick else args.sweep,
+        "latency_scale": args.latency_scale,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "per_workload": {k: {kk: (round(v, 4) if isinstance(v, float) else v)
-                             for kk, v in w.items()} for k, w in summary.items()},
+        "per_workload": summary,
     }
     print(json.dumps(head))
 

@@ -51,7 +51,8 @@ BURST, BURST_X = 0.1, 8.0
 """Share of turns whose observation is BURST_X times the usual growth."""
 HELD = 0.75
 """Budgets hold N/2 tasks at HELD x their mean final context (tasks are staggered)."""
-CFG = CTBConfig(env_concurrency=1 << 30, vanilla_concurrency=1 << 30)
+CFG = CTBConfig(env_concurrency=1 << 30, vanilla_concurrency=1 << 30, shared_prompts=False)
+IDLE = False
 
 
 class Sim:
@@ -74,6 +75,8 @@ class Sim:
             cfg = CTBConfig(env_concurrency=CFG.env_concurrency, vanilla_concurrency=n // 2)
             self.s = VanillaScheduler(cfg, caps, max_context=8192)
         self.s.horizon_turns = MAX_TURNS
+        if IDLE:  # engines with time to spare: CTB's release valve (parking) is on
+            self.s.engine_busy = [0.0] * RANKS
         self._previous_step()
 
     def _previous_step(self) -> None:
@@ -189,7 +192,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4,
                     help="untimed events after the cold round, per task")
     ap.add_argument("--no-vanilla", action="store_true")
+    ap.add_argument("--idle", action="store_true",
+                    help="engines reported idle: rounds also run CTB's release valve (parking)")
     args = ap.parse_args()
+    global IDLE
+    IDLE = args.idle
     sizes = [int(x) for x in args.sizes.split(",")]
     kinds = ["ctb"] + ([] if args.no_vanilla else ["vanilla"])
     res: dict[str, dict[int, dict]] = {k: {} for k in kinds}

@@ -45,6 +45,10 @@ def test_four_modes_run_the_same_job(mode, tmp_path):
     assert len(steps) == 3 and out["trainer_steps"] == 3
     assert all(r["groups"] >= 1 for r in steps)
     last = steps[-1]
+    # Each step reports its engines' busy share and where its tasks were (means over it).
+    assert 0.0 <= last["engine_busy"] <= 1.0
+    assert last["tasks_executing"] >= 0.0 and last["tasks_waiting"] >= 0.0
+    assert last["tasks_executing"] + last["tasks_ready"] + last["tasks_waiting"] > 0.0
     # Goodput is consumed tokens over wall time, by definition, in every mode.
     assert last["goodput"] == pytest.approx(last["consumed_tokens"] / last["wall_s"])
     if mode == "sync":

@@ -55,6 +55,9 @@ workloads = st.fixed_dictionaries({
     "horizon": st.sampled_from([None, 1, 5]),
     "unsized": st.booleans(),
     "shared": st.booleans(),
+    "page": st.sampled_from([1, 8]),
+    "busy": st.sampled_from([0.0, 0.5, 1.0]),
+    "park_min_wait": st.sampled_from([0.0, 0.5]),
 })
 
 
@@ -88,13 +91,24 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str], executing: s
             r, s.usage(r), s.budget(r))
     # Paused tasks are resumed before new ones are admitted: no paused task would have fit on a
     # rank in the room that this round's non-eval admissions took (a new eval task outranks a
-    # paused non-eval one and may preempt it).
+    # paused non-eval one and may preempt it). A task parked by the release valve is the
+    # exception while its environment still has it waiting: it needs no room until it answers.
     admitted = {d.task_id for d in decisions
                 if isinstance(d, Admit) and not s.tasks[d.task_id].is_eval}
     for r in {d.rank for d in decisions if d.task_id in admitted}:
         kept = [t for t in s.active_on(r) if t.task_id not in admitted]
-        for p in (t for t in s.tasks.values() if t.state == "paused"):
+        for p in (t for t in s.tasks.values() if t.state == "paused" and not t.parked):
             assert s._usage_of(kept + [p]) > s.budget(r), (p.task_id, r)
+    # Only tasks waiting on their environment are parked, never evals, and a parked task is
+    # unparked as soon as its environment answers.
+    for d in decisions:
+        if isinstance(d, Pause) and d.parked:
+            t = s.tasks[d.task_id]
+            assert not t.is_eval and d.task_id not in executing
+    for t in s.tasks.values():
+        # (Before its first observation a task may not have called its environment yet.)
+        assert not t.parked or (t.state == "paused" and not t.ready and not t.executing
+                                and t.turns > 0)
     # Eval tasks are paused only when even evicting every non-eval task that is not executing
     # would not make room.
     for p in (t for t in s.tasks.values() if t.state == "paused" and t.is_eval):
@@ -109,9 +123,14 @@ def test_ctb_invariants_under_random_workloads(w):
     rng = random.Random(w["seed"])
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
     cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
-    cfg = dataclasses.replace(CFG, shared_prompts=w["shared"])
-    s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1)
+    cfg = dataclasses.replace(CFG, shared_prompts=w["shared"], wait_samples=2,
+                              park_min_wait=w["park_min_wait"])
+    s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1, page_size=w["page"])
     s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
+    now = [0.0]
+    s.set_clock(lambda: now[0])
+    # Engines with time to spare let CTB park tasks waiting on their environment.
+    s.engine_busy = [w["busy"]] * w["ranks"]
     turns_left: dict[str, int] = {}
     growth: dict[str, int] = {}
     prompt: dict[str, int] = {}
@@ -126,18 +145,30 @@ def test_ctb_invariants_under_random_workloads(w):
             growth[t.task_id] = g["growth"]
             prompt[t.task_id] = g["prompt"]
     killed = False
-    for _ in range(400):
+    for _ in range(600):
         before = {tid: t.state for tid, t in s.tasks.items()}
         executing = {tid for tid, t in s.tasks.items() if t.executing}
         decisions = s.schedule()
         check_round(s, decisions, before, executing)
         active = [t for t in s.tasks.values() if t.state == "active"]
-        if not active:
+        # A parked task's environment call is in flight: it answers whatever the scheduler
+        # does, so it stays an event source while paused.
+        waiting = [t for t in s.tasks.values() if t.state == "paused" and t.parked]
+        if not active and not waiting:
             assert all(t.state == "done" for t in s.tasks.values()), "stalled with work left"
             break
-        t = rng.choice(active)
+        t = rng.choice(active + waiting)
+        now[0] += rng.expovariate(4.0)
         event = rng.random()
-        if event < 0.15:
+        if t.state == "paused" or (not t.executing and not t.ready and event < 0.3):
+            # Its environment answers with the next observation: it wants the engine.
+            if turns_left[t.task_id] == 0:
+                s.finish(t.task_id)
+            else:
+                turns_left[t.task_id] -= 1
+                size = t.tokens if t.measured else prompt[t.task_id]
+                s.update_usage(t.task_id, size + growth[t.task_id], ready=True)
+        elif event < 0.15:
             s.set_executing(t.task_id, not t.executing)
         elif turns_left[t.task_id] == 0:
             s.finish(t.task_id)
@@ -154,7 +185,7 @@ def test_ctb_invariants_under_random_workloads(w):
             killed = True
         s._check_indexes()
     else:
-        raise AssertionError("workload did not finish in 400 events")
+        raise AssertionError("workload did not finish in 600 events")
     assert s.affinity_violations == []
     assert sum(s.group_done.values()) == len(s.tasks)
 
@@ -327,7 +358,8 @@ def test_staleness_throttle_and_quarantine():
 def test_unsized_groups_send_one_probe_first_and_prompts_count_per_task():
     # The runner submits tasks with prompt_tokens=0 (the size is known only after /start).
     # Before the fix every task looked 0 tokens big and a whole step was admitted at once.
-    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
+                    shared_prompts=False)
     s = CTBScheduler(cfg, [1000], max_context=1000)
     s.submit([Task(task_id=f"a{i}", group_id="A", prompt_tokens=0, task_type="tw")
               for i in range(4)])
@@ -382,3 +414,60 @@ def test_growth_planning_admits_by_projected_size():
     s2.horizon_turns = 10
     s2.submit([Task(task_id=f"t{i}", group_id=f"g{i}", prompt_tokens=100) for i in range(9)])
     assert len(s2.schedule()) == 9
+
+
+def test_wait_model_expected_remaining_wait():
+    from tiderl.serving.taskstats import WaitModel
+
+    w = WaitModel(window=4)
+    assert w.remaining(0.0) is None
+    for x in (9.0, 1.0, 2.0, 3.0, 4.0):  # the window keeps the last four
+        w.add(x)
+    assert w.mean == 2.5 and len(w) == 4
+    assert w.remaining(0.0) == 2.5
+    assert w.remaining(2.5) == 1.0  # E[W - 2.5 | W > 2.5] over {3, 4}
+    assert w.remaining(10.0) == 2.5  # longer than any seen: about as long again
+
+
+def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
+    # E executes, W waits on its env, R has its observation: R fits only if W lets go. W is
+    # parked (it holds no room while it waits), R runs; a new task may use the room while W's
+    # env still has it, but once W's env answers W goes before any new task.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False, wait_samples=1,
+                    park_min_wait=0.0)
+    s = CTBScheduler(cfg, [100], max_context=1000)
+    now = [0.0]
+    s.set_clock(lambda: now[0])
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30) for n in ("e", "w", "r")])
+    assert len(s.schedule()) == 3
+    now[0] = 1.0
+    s.update_usage("e", 40, executing=True)
+    s.update_usage("w", 40, executing=True)
+    s.set_executing("w", False)
+    s.update_usage("r", 20, executing=True)
+    s.set_executing("r", False)
+    now[0] = 1.5
+    s.update_usage("r", 50, ready=True)  # 40 + 40 + 50 > 100
+    # Over budget: W (waiting) is worth less than R (it has its observation): W is paused.
+    assert s.schedule() == [Pause("w", 0)]
+    s.set_executing("r", True)
+    s.set_executing("r", False)  # R waits on its env again
+    now[0] = 2.0
+    s.update_usage("w", 42, ready=True)  # W's env answered: 40 + 50 + 42 > 100
+    assert s.tasks["w"].ready and s.tasks["w"].state == "paused"
+    # W has its observation and R waits: R is parked, W resumed on the rank holding its KV.
+    assert s.schedule() == [Pause("r", 0, parked=True), Resume("w", 0, False)]
+    assert s.usage(0) == 82 and s.tasks["r"].parked
+    s.submit([Task(task_id="n", group_id="N", prompt_tokens=10, task_type="small")])
+    assert s.schedule() == [Admit("n", 0)]  # R is still waiting on its env: no room needed
+    s.set_executing("w", True)
+    now[0] = 2.5
+    s.update_usage("r", 48, ready=True)  # R's env answered
+    assert not s.tasks["r"].parked
+    s.submit([Task(task_id="m", group_id="M", prompt_tokens=5, task_type="small")])
+    # R is ready and fits nowhere (E and W execute, N has not started): no new task is
+    # admitted ahead of it, though M would fit.
+    assert s.schedule() == []
+    s.finish("e")
+    assert s.schedule() == [Resume("r", 0, False)]
+    s._check_indexes()

@@ -155,3 +155,49 @@ async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
     assert r3.cached_tokens == 0 and r3.computed_tokens == r3.prompt_tokens == n + 3
     assert rank.failed is None
     await rank.close()
+
+
+async def test_sibling_prefix_sharing_prefills_a_groups_prompt_once():
+    # A step of groups of G=8 on two ranks, with room for every context (no eviction): with
+    # sharing on, the prompt of each group is computed once; the other G-1 siblings take
+    # its pages and sample their first token from its logits. Everything after the prompt is
+    # computed alike, and sampling is keyed by (task, position), so the saving is exactly
+    # (G-1) prompts per group and the trajectories are the same.
+    g = 8
+    rcfg = rollout_cfg(max_action_tokens=4)
+    tmpl = template_for(ByteTokenizer(), "byte")
+    src = TaskSource("default", "train", groups=2, group_size=g)
+    groups = [src.element(k) for k in range(2)]
+    runs = {}
+    for share in (False, True):
+        graphdef, params, engines = build(2, rcfg)
+        ranks = [RolloutRank(i, e, share_prefixes=share) for i, e in enumerate(engines)]
+        for r in ranks:
+            await r.start()
+        ctb = CTBConfig(action_reserve=4, vanilla_concurrency=2 * g, shared_prompts=share,
+                        budget_fraction=1.0)
+        sched = make_scheduler("ctb", ctb, [rcfg.num_pages * rcfg.page_size] * 2,
+                               max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots,
+                               page_size=rcfg.page_size)
+        async with endpoint(EnvConfig()) as url, EnvClient(url) as env:
+            mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=2)
+            out = await asyncio.gather(*(mgr.run_group(gr) for gr in groups))
+        for r in ranks:
+            await r.close()
+        runs[share] = ([t for gr in out for t in gr], mgr.stats())
+    (off, s_off), (on, s_on) = runs[False], runs[True]
+    assert s_off["forced_evictions"] == s_on["forced_evictions"] == 0
+    prompt = off[0].loss_mask.index(1)  # the first prefill: everything before the action
+    assert all(t.loss_mask.index(1) == prompt for t in off)
+    first = len(groups) * g * prompt  # prompt tokens the step's first turns needed
+    saved = s_off["computed_tokens"] - s_on["computed_tokens"]
+    assert saved >= (g - 1) / g * first
+    assert saved == len(groups) * (g - 1) * prompt  # exact: one prompt per group computed
+    assert s_on["shared_tokens"] == saved
+    by_id = {t.task_id: t for t in off}
+    for t in on:
+        assert t.tokens == by_id[t.task_id].tokens, t.task_id
+        np.testing.assert_allclose(t.logprobs, by_id[t.task_id].logprobs, atol=1e-5, rtol=0)
+    ref = full_logprobs(graphdef, params, on[0].tokens)  # and they are the model's (1e-4)
+    mask = np.asarray(on[0].loss_mask[1:], bool)
+    assert np.max(np.abs(np.asarray(on[0].logprobs[1:])[mask] - ref[mask])) < 1e-4

@@ -170,6 +170,7 @@ class RemoteRank:
 
     def turn(self, task_id: int, new_tokens: Sequence[int], prefix: Any = None, *,
              sample_id: int | None = None, temperature: float | None = None,
+             share_key: str | None = None,
              max_action_tokens: int | None = None) -> asyncio.Future:
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -181,11 +182,12 @@ class RemoteRank:
         self._turns[task_id] = fut
         self._send({"op": "turn", "task": task_id, "tokens": [int(t) for t in new_tokens],
                     "prefix": wire.prefix_to_wire(prefix), "sample_id": sample_id,
-                    "temperature": temperature, "max_action_tokens": max_action_tokens})
+                    "temperature": temperature, "share_key": share_key,
+                    "max_action_tokens": max_action_tokens})
         return fut
 
-    def pause(self, task_id: int) -> None:
-        self._send({"op": "pause", "task": task_id})
+    def pause(self, task_id: int, keep: float = 0.0) -> None:
+        self._send({"op": "pause", "task": task_id, "keep": float(keep)})
 
     def resume(self, task_id: int) -> None:
         self._send({"op": "resume", "task": task_id})
@@ -334,7 +336,7 @@ class HostAgent:
         elif op == "turn":
             self._turn(rank, msg)
         elif op == "pause":
-            rank.pause(msg["task"])
+            rank.pause(msg["task"], msg.get("keep", 0.0))
         elif op == "resume":
             rank.resume(msg["task"])
         elif op == "finish":
@@ -349,6 +351,7 @@ class HostAgent:
         try:
             fut = rank.turn(task, msg["tokens"], wire.prefix_from_wire(msg["prefix"]),
                             sample_id=msg["sample_id"], temperature=msg["temperature"],
+                            share_key=msg.get("share_key"),
                             max_action_tokens=msg.get("max_action_tokens"))
         except RankFailedError as e:
             self._reply(rank, {"op": "turn", "task": task, "error": str(e), "kind": "failed"})

@@ -107,7 +107,8 @@ def _own_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, rcfg: Any, trees: di
 
     return {r: RolloutRank(r, Engine(graphdef, tree, cfg.model, rcfg, seed=cfg.seed,
                                      version=trainer.version),
-                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
+                           share_prefixes=rcfg.share_prefixes)
             for r, tree in sorted(trees.items())}
 
 

@@ -137,7 +137,8 @@ async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
     first, _ = await asyncio.to_thread(place, await trainer.export_weights_async())
     engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
                for w in first]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
+                         share_prefixes=rcfg.share_prefixes)
              for i, e in enumerate(engines)]
 
     async def sync_weights(exported: Any, version: int) -> dict:
@@ -209,7 +210,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
             return Engine(graphdef, served, cfg.model, rcfg, seed=cfg.seed, version=version)
 
         rank = RolloutRank(rank_id, await asyncio.to_thread(build_engine),
-                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
+                           share_prefixes=rcfg.share_prefixes)
         await rank.start()
         return rank
 
@@ -257,8 +259,12 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     # rollout.num_pages (a rank that joins later brings its own: RolloutManager.add_rank).
     capacities = [(r.engine.cfg if r is not None and hasattr(r, "engine") else rcfg).num_pages
                   * rcfg.page_size for r in slots]
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
-                           max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
+    # Prompts count once per rank only where ranks share them.
+    ctb_cfg = dataclasses.replace(
+        cfg.rollout.ctb, shared_prompts=cfg.rollout.ctb.shared_prompts and rcfg.share_prefixes)
+    sched = make_scheduler(sched_kind, ctb_cfg, capacities,
+                           max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots,
+                           page_size=rcfg.page_size)
     for i, rank in enumerate(slots):
         if rank is None:
             sched.remove_rank(i)

@@ -585,6 +585,10 @@ class Controller(ReadinessAware):
             "kv_hit_rate": rs["kv_hit_rate"],
             "kv_pages_in_use": [r.get("pages_in_use", 0) for r in rs["per_rank"]],
             "prefill_computed": rs["computed_tokens"],
+            # Over the step: the engines' busy share, mean tasks in a turn / ready / waiting
+            # on their environment.
+            **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
+                                  "tasks_waiting", "tasks_paused", "shared_tokens") if k in rs},
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],
@@ -606,6 +610,7 @@ class Controller(ReadinessAware):
                                   if g.min_version >= 0), default=0),
         }
         self.rwt = 0.0
+        self.manager.new_window()
         self.metrics.log(rec)
         # Only groups not yet trained or dropped need their stream position (`data_state`).
         live = self.in_flight | {g.group_id for g in self.buffer.ready}

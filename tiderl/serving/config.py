@@ -27,6 +27,10 @@ class RolloutConfig:
     scheduler: Literal["ctb", "vanilla"] = "ctb"
     """Task scheduler of the `tiderl` mode (the baseline modes always use 'vanilla')."""
     ctb: CTBConfig = dataclasses.field(default_factory=CTBConfig)
+    share_prefixes: bool = True
+    """GRPO siblings on a rank share their common prefix's KV pages (copy-on-write): a
+    group's prompt is prefilled once per rank, and CTB counts it once there
+    (`rollout.ctb.shared_prompts`)."""
     prefill_batch: int = 32
     """Most tasks one rank prefills in one engine call (rows padded to a decode bucket)."""
     page_size: int = 16

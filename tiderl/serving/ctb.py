@@ -1,104 +1,52 @@
 """Continuous Task Batching (arXiv 2608.10402, §4, Algorithm 1) and the request-level baseline.
-No JAX. The task table both schedulers keep is in `tiderl.serving.tasktable`.
+No JAX. The task table both schedulers keep is in `tiderl.serving.tasktable`, what they learn
+about task types (environment waits, time outside the environment) in `taskstats`.
 
 One scheduler sees every rollout rank. It holds no device state: ranks report usage, the
 scheduler answers with decisions (`Admit`, `Pause`, `Resume`) that the ranks apply.
 
 Token accounting. A rank's usage is the KV its *active* tasks need: each task's context plus a
-reserve for the next action (with `shared_prompts`, a GRPO group's prompt counts once per rank,
-for ranks whose siblings share prompt pages through `fork`). Paused tasks do not count (the
-rank may keep their KV until pages are needed). Usage is refreshed at the start of every turn
-(`update_usage`). The probe: a group whose size is unknown sends one task first; its first
-turn sizes the siblings (and other groups of its type). With `plan_growth`, admission also
-projects growth (learned online per task type) so tasks are not admitted only to be paused.
+reserve for the next action (with `shared_prompts`, a GRPO group's prompt, in whole pages,
+counts once per rank: ranks share it between siblings). Paused tasks do not count (the rank
+keeps their KV until pages are needed). Usage is refreshed once per turn (`update_usage`).
+The probe: a group whose size is unknown sends one task first; its first turn sizes the
+siblings (and other groups of its type). With `plan_growth`, admission also projects growth
+(learned online per task type) so tasks are not admitted only to be paused.
 
 Priority. `P(t) = w1·I_eval + w2·G_completion + w3·I_active + w4·L_context`, with L normalised to
 [0, 1) by `max_context`. The weights must keep the tiers lexicographic (checked in CTBConfig).
+Pausing and parking take the lowest `keep_value` first: the same tiers, a task with its
+observation counted active, and the context tier weighing recompute against the task's
+expected remaining environment wait (short contexts with long waits go first).
 
 Pausing. A task inside its prefill/decode (`executing`) is never paused, by the budget or by a
 preempting eval task: its turn finishes on its rank whatever the scheduler says, so pausing it
 would resume it on another rank while the turn still runs. Its KV keeps counting; a rank left
 over budget with only executing tasks is brought back once their turns end.
+
+The release valve (parking). A task waiting on its environment holds KV but no compute. CTB
+parks such tasks (paused, KV kept until pages are needed, no budget held, not resumed until
+their environment answers) to give their room to a task that has its observation, or, while a
+rank's engine has time to spare, to admit more work as long as what the live tasks need on
+average still fits (see `_park_for_demand`). A task with its observation waiting for room goes
+before new tasks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterable
 
 from tiderl.configlib import ConfigError
+from tiderl.serving.ctb_config import CTBConfig
 from tiderl.serving.tasktable import LIVE_STATES, Admit, Decision, Pause, Resume, Task, TaskTable
+from tiderl.serving.valve import ReleaseValve
 
 __all__ = ["Admit", "CTBConfig", "CTBScheduler", "Decision", "Pause", "Resume", "Task",
            "VanillaScheduler", "make_scheduler"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CTBConfig:
-    """Weights and constraints of the task scheduler."""
-
-    w_eval: float = 64.0
-    w_group: float = 32.0
-    w_active: float = 2.0
-    w_context: float = 1.0
-    budget_fraction: float = 0.85
-    """Share of a rank's KV capacity CTB may plan with; the rest absorbs page rounding and lets
-    paused tasks keep their KV until it is needed."""
-    action_reserve: int = 16
-    """Tokens reserved per active task for its next action."""
-    env_concurrency: int = 1024
-    """Max active tasks across all ranks (what the environments can run in parallel)."""
-    diversity_weight: float = 1.0
-    """Penalty, in queue positions, per group of the same task type already on a rank."""
-    lookahead: int = 8
-    """How many queued groups admission may look past the head to honour diversity."""
-    vanilla_concurrency: int = 64
-    """Baseline only: fixed cap on tasks in flight (request-level continuous batching)."""
-    plan_growth: bool = True
-    """Admit a new task only if the rank's active tasks and it still fit once each has grown to
-    its projected final context: the mean final context of finished tasks of its type, or before
-    any has finished, its context plus the type's mean growth per turn times the turns it has
-    left (`horizon_turns`). Contexts grow every turn; admitting by current size alone
-    over-admits and later pauses (and, when pages run short, evicts) tasks in mid-flight.
-    Resumes use current sizes: those tasks are underway."""
-    growth_horizon: float = 0.5
-    """Share of a task's remaining growth that admission plans for (see `plan_growth`). 1 never
-    over-admits but idles KV that tasks reach only at their last turn; staggered tasks hold
-    about half their final context on average, and pausing absorbs the rest."""
-    shared_prompts: bool = False
-    """Count a GRPO group's prompt once per rank (siblings share its pages through `fork`).
-    Leave off unless the ranks fork siblings: a rank that prefills each sibling separately
-    holds the prompt once per task, and planning with shared prompts would overfill it."""
-
-    def __post_init__(self):
-        if not self.w_active > self.w_context:
-            raise ConfigError("config key 'rollout.ctb.w_active' must exceed rollout.ctb.w_context "
-                              "(tier order: active > context length)")
-        if not self.w_eval > self.w_group + self.w_active + self.w_context:
-            raise ConfigError("config key 'rollout.ctb.w_eval' must exceed w_group + w_active + "
-                              "w_context (eval is the top tier)")
-        if not 0 <= self.growth_horizon <= 1:
-            raise ConfigError("config key 'rollout.ctb.growth_horizon' must be in [0, 1]")
-        if not 0 < self.budget_fraction <= 1:
-            raise ConfigError("config key 'rollout.ctb.budget_fraction' must be in (0, 1]")
-        if self.action_reserve < 0:
-            raise ConfigError("config key 'rollout.ctb.action_reserve' must be >= 0")
-        for name in ("env_concurrency", "lookahead", "vanilla_concurrency"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"config key 'rollout.ctb.{name}' must be positive")
-
-    def check_group_size(self, group_size: int) -> None:
-        """Group completion moves in steps of 1/G; one step must outrank the lower tiers."""
-        if self.w_group / group_size <= self.w_active + self.w_context:
-            raise ConfigError(
-                f"config key 'rollout.ctb.w_group'={self.w_group} is too small for groups of "
-                f"{group_size}: w_group / group_size must exceed w_active + w_context; raise it "
-                f"above {group_size * (self.w_active + self.w_context)}"
-            )
-
-
-class CTBScheduler(TaskTable):
+class CTBScheduler(ReleaseValve, TaskTable):
     """Algorithm 1: per-rank token budgets, RL-aware priority, pause/resume, group affinity.
 
     Each rank's usage (current sizes, and the grown sizes admission plans with) is cached:
@@ -107,9 +55,11 @@ class CTBScheduler(TaskTable):
     """
 
     def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
-                 max_tasks_per_rank: int | None = None):
+                 max_tasks_per_rank: int | None = None, page_size: int = 1):
         super().__init__(cfg, capacities, max_context=max_context,
                          max_tasks_per_rank=max_tasks_per_rank)
+        self.page_size = page_size
+        """KV page size of the ranks (tokens): what prefix sharing shares is whole pages."""
         n = len(self.capacity)
         self._own = [0] * n
         """Per rank: what its active tasks need besides shared prompts (all of it without)."""
@@ -120,6 +70,13 @@ class CTBScheduler(TaskTable):
         """`_own` at the grown sizes `plan_growth` admits by; valid at `_grown_version`."""
         self._grown_version = [-1] * n
         self._admit_memo: list[dict[str, bool]] = [{} for _ in range(n)]
+        self._now = 0.0
+        self._resumed: set[str] = set()
+
+    def _shared_part(self, t: Task) -> int:
+        """The part of `t`'s prompt its siblings on a rank hold once: whole KV pages (each
+        sibling writes its own copy of a partial last page)."""
+        return t.prompt_tokens // self.page_size * self.page_size
 
     def budget(self, rank: int) -> int:
         return int(self.capacity[rank] * self.cfg.budget_fraction)
@@ -136,6 +93,33 @@ class CTBScheduler(TaskTable):
         return (c.w_eval * t.is_eval + c.w_group * self.completion(t.group_id)
                 + c.w_active * (t.state == "active" and t.executing)
                 + c.w_context * min(t.tokens / self.max_context, 0.999))
+
+    def relative_wait(self, t: Task) -> float | None:
+        """`t`'s expected remaining environment wait over its type's mean wait: 0 when it has
+        its observation (executing or ready), None without enough samples of its type."""
+        if t.executing or t.ready:
+            return 0.0
+        st = self.type_stats.get(t.task_type)
+        if st is None or len(st.waits) < max(1, self.cfg.wait_samples):
+            return None
+        mean = st.waits.mean or 0.0
+        rem = st.waits.remaining(self._now - t.since)
+        return rem / mean if mean > 0 and rem is not None else None
+
+    def keep_value(self, t: Task) -> float:
+        """What keeping `t` resident is worth; pausing and parking take the lowest first.
+
+        The priority tiers (eval > group completion > active > context), where a task that
+        has its observation counts as active, and the lowest tier weighs recompute against
+        the wait: a long context that will be needed soon is worth most, a short one whose
+        environment will keep it waiting long is the cheapest to let go (arXiv 2608.10402,
+        Table 1; its context term is this one with no wait known)."""
+        c = self.cfg
+        x = min(t.tokens / self.max_context, 0.999)
+        rel = self.relative_wait(t)
+        v = x / max(rel if rel is not None else 1.0, 1e-3)
+        return (c.w_eval * t.is_eval + c.w_group * self.completion(t.group_id)
+                + c.w_active * (t.executing or t.ready) + c.w_context * v / (1.0 + v))
 
     def usage(self, rank: int, extra: Task | None = None) -> int:
         """KV tokens the rank's active tasks (plus `extra`) need; shared prompts count once."""
@@ -155,8 +139,9 @@ class CTBScheduler(TaskTable):
         prompts: dict[str, int] = {}
         own = 0
         for t, size in sized:
-            prompts[t.group_id] = max(prompts.get(t.group_id, 0), t.prompt_tokens)
-            own += size - t.prompt_tokens + reserve
+            sp = self._shared_part(t)
+            prompts[t.group_id] = max(prompts.get(t.group_id, 0), sp)
+            own += size - sp + reserve
         return sum(prompts.values()) + own
 
     def _marginal(self, rank: int, t: Task, size: int) -> int:
@@ -164,7 +149,8 @@ class CTBScheduler(TaskTable):
         extra = size + self.cfg.action_reserve
         if self.cfg.shared_prompts:
             held = self._prompt_max[rank].get(t.group_id, 0)
-            extra += max(held, t.prompt_tokens) - held - t.prompt_tokens
+            sp = self._shared_part(t)
+            extra += max(held, sp) - held - sp
         return extra
 
     def _refresh(self, rank: int) -> None:
@@ -176,8 +162,9 @@ class CTBScheduler(TaskTable):
         for t in self._active[rank].values():
             own += self.footprint(t) + reserve
             if shared:
-                own -= t.prompt_tokens
-                prompts[t.group_id] = max(prompts.get(t.group_id, 0), t.prompt_tokens)
+                sp = self._shared_part(t)
+                own -= sp
+                prompts[t.group_id] = max(prompts.get(t.group_id, 0), sp)
         self._own[rank], self._prompt_max[rank] = own, prompts
         self._prompt_sum[rank] = sum(prompts.values())
         self._grown_version[rank] = -1
@@ -189,7 +176,7 @@ class CTBScheduler(TaskTable):
         if self._grown_version[rank] != self._stats_version:
             reserve, shared = self.cfg.action_reserve, self.cfg.shared_prompts
             self._grown_own[rank] = sum(
-                self._grown_size(t) + reserve - (t.prompt_tokens if shared else 0)
+                self._grown_size(t) + reserve - (self._shared_part(t) if shared else 0)
                 for t in self._active[rank].values())
             self._grown_version[rank] = self._stats_version
         return self._grown_own[rank] + self._prompt_sum[rank]
@@ -200,14 +187,14 @@ class CTBScheduler(TaskTable):
         if self._dirty[rank]:
             return
         reserve = self.cfg.action_reserve
-        own = t.prompt_tokens if self.cfg.shared_prompts else 0
+        own = self._shared_part(t) if self.cfg.shared_prompts else 0
         self._own[rank] += self.footprint(t) + reserve - own
         if self._grown_version[rank] == self._stats_version:
             self._grown_own[rank] += self._grown_size(t) + reserve - own
         if self.cfg.shared_prompts:
             prompts = self._prompt_max[rank]
             held = prompts.get(t.group_id, 0)
-            prompts[t.group_id] = max(held, t.prompt_tokens)
+            prompts[t.group_id] = max(held, own)
             self._prompt_sum[rank] += prompts[t.group_id] - held
 
     def _load_leave(self, rank: int, t: Task) -> None:
@@ -349,18 +336,24 @@ class CTBScheduler(TaskTable):
         """One scheduling round; returns the decisions in the order they must be applied."""
         out: list[Decision] = []
         self._fresh = set()
+        self._resumed: set[str] = set()
+        self._now = self.clock()
         for memo in self._admit_memo:  # sizes and stats may have changed since the last round
             memo.clear()
         ranks = self.live_ranks()
         self._pause_over_budget(ranks, out)
         self._resume_paused(ranks, out)
         self._admit_new(ranks, out)
+        if self._park_for_demand(ranks, out):
+            self._resume_paused(ranks, out)
+            self._admit_new(ranks, out)
         return out
 
-    def _pause(self, t: Task, rank: int, out: list[Decision]) -> None:
+    def _pause(self, t: Task, rank: int, out: list[Decision], *, park: bool = False) -> None:
         self._set_executing(t, False)
         self._move(t, "paused", rank)
-        out.append(Pause(t.task_id, rank))
+        t.parked = park
+        out.append(Pause(t.task_id, rank, park))
 
     def _pause_over_budget(self, ranks: list[int], out: list[Decision]) -> None:
         """1. Pause the lowest priority while a rank is over budget (never below one task).
@@ -372,9 +365,9 @@ class CTBScheduler(TaskTable):
             if self.usage(r) <= budget:
                 continue
             active = self._active[r]
-            # Pausing one task changes no other's priority: one sort gives the order.
+            # Pausing one task changes no other's value: one sort gives the order.
             victims = sorted((t for t in active.values() if not t.executing),
-                             key=lambda t: (self.priority(t), t.task_id))
+                             key=lambda t: (self.keep_value(t), t.task_id))
             for victim in victims:
                 if len(active) <= 1 or self.usage(r) <= budget:
                     break
@@ -390,7 +383,7 @@ class CTBScheduler(TaskTable):
     def _least_need(self, t: Task) -> int:
         """The least `t` adds to any rank: its own tokens (its prompt may be there already)."""
         need = self._probe_size(t) + self.cfg.action_reserve
-        return need - t.prompt_tokens if self.cfg.shared_prompts else need
+        return need - self._shared_part(t) if self.cfg.shared_prompts else need
 
     def _resume_paused(self, ranks: list[int], out: list[Decision]) -> None:
         """2. Resume paused tasks, highest priority first, on their affinity rank when it fits.
@@ -406,9 +399,12 @@ class CTBScheduler(TaskTable):
         while preempted:
             preempted = False
             head = self._best_headroom(ranks)
-            found = [t for t in self._paused.values() if t.is_eval or (
-                head is not None and self._n_active < conc and self._least_need(t) <= head)]
-            found.sort(key=lambda t: (-self.priority(t), t.task_id))
+            found = [t for t in self._paused.values() if not t.parked and (t.is_eval or (
+                head is not None and self._n_active < conc and self._least_need(t) <= head))]
+            # Ready first (their environment answered: they want the engine now), within
+            # their tier.
+            found.sort(key=lambda t: (-self.priority(t) - self.cfg.w_active * t.ready,
+                                      t.task_id))
             for t in found:
                 if self._n_active < conc and head is not None and \
                         self._least_need(t) <= head and any(self._fits(t, r) for r in ranks):
@@ -423,6 +419,7 @@ class CTBScheduler(TaskTable):
                     break
 
     def _resume(self, t: Task, ranks: list[int], out: list[Decision]) -> None:
+        self._resumed.add(t.task_id)
         rank = self.resume_rank(t, ranks)
         migrated = t.rank is None or t.rank != rank
         self._move(t, "active", rank)
@@ -436,13 +433,16 @@ class CTBScheduler(TaskTable):
         # Admissions only take room: an eval that cannot preempt now cannot later this round,
         # until a preemption frees some.
         stuck: set[str] = set()
+        # A task that has its observation and waits for room (it did not fit above) goes
+        # before new work: new tasks would take the room it needs, piece by piece.
+        blocked = any(t.ready and not t.is_eval for t in self._paused.values())
         while True:
             room = self._n_active < self.cfg.env_concurrency
             pick = self._pick_new(ranks, evals_only=True) if room and self._queued_evals \
                 else None
             if pick is None and self._queued_evals:
                 pick = self._pick_eval_by_preemption(ranks, out, stuck)
-            if pick is None and room:
+            if pick is None and room and not blocked:
                 pick = self._pick_new(ranks)
             if pick is None or not self._take_admission():
                 break
@@ -573,11 +573,11 @@ class VanillaScheduler(TaskTable):
 
 
 def make_scheduler(kind: str, cfg: CTBConfig, capacities: Iterable[int], *,
-                   max_context: int, max_tasks_per_rank: int | None = None
-                   ) -> CTBScheduler | VanillaScheduler:
+                   max_context: int, max_tasks_per_rank: int | None = None,
+                   page_size: int = 1) -> CTBScheduler | VanillaScheduler:
     if kind == "ctb":
         return CTBScheduler(cfg, capacities, max_context=max_context,
-                            max_tasks_per_rank=max_tasks_per_rank)
+                            max_tasks_per_rank=max_tasks_per_rank, page_size=page_size)
     if kind == "vanilla":
         return VanillaScheduler(cfg, capacities, max_context=max_context)
     raise ConfigError(f"config key 'rollout.scheduler'={kind!r}: use 'ctb' or 'vanilla'")

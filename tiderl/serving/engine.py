@@ -31,6 +31,13 @@ whole life; it holds the context as token ids (token in, token out) and where it
   slots leave the decode batch but keep their KV.
 - `evict(prefix)` frees the task's pages and slot but keeps its tokens (pause = evict);
   `free(prefix)` ends a task. Both accept a slot number too.
+- Prefix sharing: a `PrefillRequest` with `share=[handles of its GRPO siblings]` lets a task
+  with no resident KV take the pages of the longest common prefix a sibling holds resident
+  (copy-on-write: the first write into a shared page copies it) and compute only the rest;
+  siblings with identical contexts in one call compute it once, and a sibling whose whole
+  context (a group's prompt) is resident samples its first token, with its own key, from the
+  logits kept from that prompt's prefill, computing nothing. `counters.prompt_tokens_shared`
+  counts the tokens taken from siblings.
 - `fork(prefix, n, task_ids)` makes n GRPO siblings sharing the resident pages copy-on-write
   (the parent's unfed last token is not inherited); prefill each with `true_length=0` to sample
   its own first token, then insert it.
@@ -87,6 +94,8 @@ from tiderl.serving.pages import (
     StopReason,
 )
 from tiderl.serving.sampling import sample, token_keys
+from tiderl.serving.share import SiblingSharing
+from tiderl.serving.share import bucket as _bucket
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +146,30 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         tokens_b, logprob_b = sample(logits_bv, keys_b, temperature_b, top_k=top_k, top_p=top_p)
         # Token and logprob bits in one int32 array: one device→host copy per step.
         packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
-        return cache.pools, packed_b2, (logits_bv if keep_logits else None)
+        # Prefill keeps its logits on the device: siblings with the same context sample from
+        # them (prefix sharing) instead of recomputing the last token.
+        return cache.pools, packed_b2, (logits_bv if keep_logits or kind == "prefill" else None)
 
     out = None if pool_sharding is None else (pool_sharding, _replicated(pool_sharding), None)
     jitted = jax.jit(step, donate_argnums=(1,), out_shardings=out)
+    jitted.trace_counts = trace_counts
+    return jitted
+
+
+@functools.lru_cache(maxsize=8)
+def make_sampler(*, top_k: int, top_p: float):
+    """Jitted sampling from given logits rows: a sibling whose context another task's prefill
+    just computed samples its own first token (its own key) from those logits."""
+    trace_counts: collections.Counter = collections.Counter()
+
+    def sample_rows(logits_nv, run_key, task_ids_n, positions_n, temperature_n):
+        trace_counts[("sample", logits_nv.shape[0])] += 1
+        keys_n = token_keys(run_key, task_ids_n, positions_n)
+        tokens_n, logprob_n = sample(logits_nv.astype(jnp.float32), keys_n, temperature_n,
+                                     top_k=top_k, top_p=top_p)
+        return jnp.stack([tokens_n, jax.lax.bitcast_convert_type(logprob_n, jnp.int32)], 1)
+
+    jitted = jax.jit(sample_rows)
     jitted.trace_counts = trace_counts
     return jitted
 
@@ -190,11 +219,7 @@ def _spec(params) -> tuple[Any, list[tuple]]:
                      for p, x in leaves]
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    return next(b for b in buckets if b >= n)
-
-
-class Engine:
+class Engine(SiblingSharing):
     """Paged-KV rollout engine for one rank (see the module docstring for the contract)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig,
@@ -234,6 +259,12 @@ class Engine:
                       top_p=cfg.top_p, keep_logits=keep_logits, pool_sharding=self.pool_sharding)
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
+        self._sample_fn = make_sampler(top_k=cfg.top_k, top_p=cfg.top_p)
+        self._prompt_logits: collections.OrderedDict[tuple[int, ...], tuple[int, Any]] = \
+            collections.OrderedDict()
+        """Context -> (version, device logits row) of recent first prefills (group prompts),
+        so a sibling starting later samples without computing anything; bounded by
+        max_slots entries."""
         self._copy_fn = _copy_pages_fn(self.pool_sharding)
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
@@ -250,6 +281,7 @@ class Engine:
                            dtype=DTYPES[m.compute_dtype], device=self.device,
                            sharding=self.pool_sharding)
         self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
+        self._prompt_logits.clear()
         return self.state
 
     def update_weights(self, params: nnx.State, *, version: int | None = None,
@@ -269,6 +301,7 @@ class Engine:
                     "mismatch would recompile every kernel)")
         self.params = params
         self.version = self.version + 1 if version is None else version
+        self._prompt_logits.clear()
         if flush:
             self.flush()
 
@@ -323,7 +356,12 @@ class Engine:
         caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
                 for r, h in zip(requests, handles, strict=True)]
         rows = []  # (handle, new tokens, start, end, temperature, action cap) of computing tasks
-        for h, new, temp, cap in zip(handles, news, temps, caps, strict=True):
+        follow = []  # (handle, new, end, temperature, cap, source handle, logits or None)
+        attached: list[Prefix] = []  # took a sibling's pages this call (undone on no room)
+        leaders: dict[tuple[int, ...], Prefix] = {}  # context -> the row computing it
+        prompts: dict[int, tuple[int, ...]] = {}  # id(handle) -> context, first prefills shared
+        ps = self.cfg.page_size
+        for r, h, new, temp, cap in zip(requests, handles, news, temps, caps, strict=True):
             end = len(h.tokens) + len(new)
             if end + 1 > self.cfg.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
@@ -331,8 +369,32 @@ class Engine:
             if h.slot is not None and h.kv_length and h.version != self.version:
                 self._drop_kv(h, "version")  # stale KV is never attended
             # Nothing missing (a forked sibling): recompute the last token to get its logits.
-            rows.append((h, new, min(h.kv_length, end - 1), end, temp, cap))
-        self._check_capacity(rows)
+            start = min(h.kv_length, end - 1)
+            if r.share is not None and not h.kv_length:
+                ctx = tuple(h.tokens) + tuple(new)
+                lead = leaders.get(ctx)
+                if lead is not None:  # a sibling in this call computes the same context
+                    follow.append((h, new, end, temp, cap, lead, None))
+                    continue
+                src, n = self._best_source(h, ctx, r.share)
+                logits = self._cached_logits(ctx) if src is not None and n == end else None
+                if logits is not None:  # all resident at a sibling, logits kept: no compute
+                    follow.append((h, new, end, temp, cap, src, logits))
+                    continue
+                if src is not None and n >= ps:
+                    self._attach(h, src, n)
+                    attached.append(h)
+                    start = min(n, end - 1)
+                leaders[ctx] = h
+                if not h.tokens:
+                    prompts[id(h)] = ctx
+            rows.append((h, new, start, end, temp, cap))
+        try:
+            self._check_capacity(rows, extra_slots=len(follow))
+        except PoolExhaustedError:
+            for h in attached:
+                self._close(h)
+            raise
         # Pages and slots are taken here, but a handle's contents (tokens, action, logprobs)
         # change only after the device calls succeed: if one raises, every handle is as it was
         # and its task can migrate to another rank with exactly its unfed tokens.
@@ -356,29 +418,40 @@ class Engine:
             tokens_bt = np.zeros((b, t), np.int32)
             for i, (h, _) in enumerate(pending):
                 tokens_bt[i, : n[i]] = full[id(h)][pos[id(h)]: pos[id(h)] + n[i]]
-            packed, logits = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
-                                       [pos[id(h)] for h, _ in pending], n, b,
-                                       temps=[temp_of[id(h)] for h, _ in pending])
+            packed, logits_bv = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
+                                          [pos[id(h)] for h, _ in pending], n, b,
+                                          temps=[temp_of[id(h)] for h, _ in pending])
+            host = np.asarray(logits_bv) if self.keep_logits else None
             for i, (h, end) in enumerate(pending):
                 pos[id(h)] += n[i]
                 if pos[id(h)] == end:
-                    results[id(h)] = (packed[i], None if logits is None else logits[i])
+                    results[id(h)] = (packed[i], logits_bv, i, None if host is None else host[i])
         for h, new, start, end, temp, cap in rows:
-            h.temperature, h.max_action_tokens = temp, cap
-            h.tokens.extend(new)
-            if new:
-                h.action_start, h.logprobs, h.versions = end, [], []
-                h.stop_reason = StopReason.NONE
+            packed_2, logits_bv, i, host_v = results[id(h)]
             self._count_compute(h, start, end)
-            h.kv_length, h.version, h.drop_reason = end, self.version, "new"
-            h.computed_max = max(h.computed_max, end)
-            self.counters.prefill_calls += 1
-            self._take_sample(h, *results[id(h)])
-            h.decoding = False
+            self._append(h, new, end, temp, cap)
+            self.counters.prompt_tokens_shared += start if h in attached else 0
+            if id(h) in prompts:
+                self._keep_logits(prompts[id(h)], logits_bv[i])
+            self._take_sample(h, packed_2, host_v)
+        if follow:
+            self._sample_followers(follow, results)
         return handles
 
-    def _check_capacity(self, rows) -> None:
-        slots = sum(h.slot is None for h, *_ in rows)
+    def _append(self, h: Prefix, new: list[int], end: int, temp: float, cap: int) -> None:
+        """A prefilled handle's new state (after its device work succeeded)."""
+        h.temperature, h.max_action_tokens = temp, cap
+        h.tokens.extend(new)
+        if new:
+            h.action_start, h.logprobs, h.versions = end, [], []
+            h.stop_reason = StopReason.NONE
+        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+        h.computed_max = max(h.computed_max, end)
+        h.decoding = False
+        self.counters.prefill_calls += 1
+
+    def _check_capacity(self, rows, *, extra_slots: int = 0) -> None:
+        slots = sum(h.slot is None for h, *_ in rows) + extra_slots
         free_slots = int(np.count_nonzero(~self.pages.in_use))
         if slots > free_slots:
             raise PoolExhaustedError(
@@ -438,6 +511,7 @@ class Engine:
         tokens_bt = np.zeros((b, 1), np.int32)
         tokens_bt[: len(active), 0] = [h.tokens[-1] for h in active]
         packed, logits = self._run(self._decode_fn, active, tokens_bt, pos, [1] * len(active), b)
+        logits = None if logits is None else np.asarray(logits)
         self.counters.decode_steps += 1
         self.counters.decode_tokens += len(active)
         for i, h in enumerate(active):
@@ -517,7 +591,7 @@ class Engine:
         temp_b = np.array(list(temps) + [0.0] * pad, np.float32)
         st.pools, packed, logits = fn(self.params, st.pools, self.run_key, tokens_bt, start_b,
                                       n_new_b, table_bp, task_b, temp_b)
-        return np.asarray(packed), None if logits is None else np.asarray(logits)
+        return np.asarray(packed), logits
 
     def _take_sample(self, h: Prefix, packed_2, logits_v) -> None:
         token = int(packed_2[0])

@@ -105,6 +105,22 @@ class PageAllocator:
                 self.refcount[page] += 1
         return children
 
+    def share(self, slot: int, source: int, n_pages: int) -> None:
+        """Gives the open, empty `slot` the first `n_pages` pages of `source` (refcounts +1).
+
+        The prefix sharing of GRPO siblings: their common prompt's pages are held once, and the
+        first write into a shared page copies it (`reserve`)."""
+        self._check_open(slot)
+        self._check_open(source)
+        if self.tables[slot]:
+            raise ValueError(f"slot {slot} already holds pages; share into an empty slot")
+        if not 0 < n_pages <= len(self.tables[source]):
+            raise ValueError(f"share: slot {source} holds {len(self.tables[source])} pages, "
+                             f"cannot share {n_pages}")
+        self.tables[slot] = self.tables[source][:n_pages]
+        for page in self.tables[slot]:
+            self.refcount[page] += 1
+
     # -- pages ---------------------------------------------------------------------------------
     def pages_needed(self, slot: int, start: int, end: int) -> int:
         """Free pages `reserve(slot, start, end)` would take (new pages + copy-on-write)."""
@@ -254,6 +270,11 @@ class PrefillRequest:
     task_id: int | None = None
     temperature: float | None = None
     max_action_tokens: int | None = None
+    share: Any = None
+    """Prefix sharing (None: off). Handles of the task's GRPO siblings on this engine, any of
+    which may hold the task's context prefix resident: a task with no resident KV then takes
+    the longest common prefix's pages copy-on-write instead of computing it, and siblings
+    with identical contexts in one call (a group's prompt) compute it once."""
 
 
 @dataclasses.dataclass
@@ -287,6 +308,10 @@ class EngineCounters:
     prefill_calls: int = 0
     decode_steps: int = 0
     page_copies: int = 0
+    prompt_tokens_shared: int = 0
+    """Of `prompt_tokens_served`, tokens taken from a sibling's pages (prefix sharing)."""
+    shared_samples: int = 0
+    """Prefills that computed nothing: the first token was sampled from a sibling's logits."""
 
     @property
     def kv_hit_rate(self) -> float:

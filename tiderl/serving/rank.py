@@ -81,6 +81,10 @@ class _Task:
     turn_computed: int = 0
     empty_action: bool = False
     temperature: float | None = None
+    share_key: str | None = None
+    """The task's GRPO group: siblings on this rank may share its context prefix's KV."""
+    keep: float = 0.0
+    """While paused: what its KV is worth to the scheduler; the lowest is evicted first."""
     max_action_tokens: int | None = None
 
 
@@ -101,6 +105,11 @@ class RankStats:
     pause_evictions: int = 0
     migrations_in: int = 0
     busy_s: float = 0.0
+    """Seconds the engine worked (its executor calls, on the event loop's clock)."""
+    shared_tokens: int = 0
+    """Prompt tokens taken from a sibling's KV pages (prefix sharing) instead of computed."""
+    deferred_shares: int = 0
+    """Prefills held back one loop iteration so a sibling computes their common prefix first."""
 
     @property
     def kv_hit_rate(self) -> float:
@@ -111,10 +120,14 @@ class RolloutRank:
     """Drives one engine through the contract for many concurrent multi-turn tasks."""
 
     def __init__(self, rank_id: int, engine: Any, *, evict_on_pause: bool = False,
-                 max_prefills_per_step: int = 8):
+                 max_prefills_per_step: int = 8, share_prefixes: bool = True):
         self.rank_id = rank_id
         self.engine = engine
         self.evict_on_pause = evict_on_pause
+        self.share_prefixes = share_prefixes
+        """Siblings (tasks given the same `share_key`) share their common prefix's KV pages:
+        a group's prompt is prefilled once per rank (engines whose `prefill_many` takes
+        `PrefillRequest.share`; others ignore it)."""
         self.max_prefills_per_step = max_prefills_per_step
         self.tasks: dict[int, _Task] = {}
         self.stats = RankStats()
@@ -179,14 +192,16 @@ class RolloutRank:
     def turn(self, task_id: int, new_tokens: Sequence[int],
              prefix: Prefix | None = None, *, sample_id: int | None = None,
              temperature: float | None = None,
+             share_key: str | None = None,
              max_action_tokens: int | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
         `task_id` is the caller's key for the task (unique among its live tasks);
         `sample_id` keys its sampling (default: `task_id`); `prefix` adopts a migrated task's
         handle (its KV is re-prefilled here); `temperature` overrides the engine's for this
-        task (evaluation decodes greedily with 0); `max_action_tokens` caps this action below the
-        engine's own limit (an agent's max_tokens).
+        task (evaluation decodes greedily with 0); `share_key` (its GRPO group) lets siblings
+        on this rank share their common prefix's KV; `max_action_tokens` caps this action below
+        the engine's own limit (an agent's max_tokens).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -206,6 +221,7 @@ class RolloutRank:
                                f"{self.rank_id}")
         t.pending = list(new_tokens)
         t.temperature = temperature
+        t.share_key = share_key
         t.max_action_tokens = max_action_tokens
         t.paused = False
         t.result = None
@@ -213,12 +229,14 @@ class RolloutRank:
         self._wake.set()
         return t.future
 
-    def pause(self, task_id: int) -> None:
-        """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`)."""
+    def pause(self, task_id: int, keep: float = 0.0) -> None:
+        """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`);
+        when pages run short, paused tasks of the lowest `keep` go first."""
         t = self.tasks.get(task_id)
         if t is None:
             return
         t.paused = True
+        t.keep = keep
         if self.evict_on_pause and not t.decoding and t.pending is None:
             self._ops.append(("evict", task_id))
             self._wake.set()
@@ -301,12 +319,14 @@ class RolloutRank:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                t0 = time.perf_counter()
+                # Busy time on the loop's clock, the one the scheduler reads (virtual time in
+                # the simulator, where an engine call is charged on the loop).
+                t0 = loop.time()
                 # The worker sees a snapshot: the loop thread adds and removes tasks while a
                 # step runs, and only the loop thread mutates `self.tasks`.
                 finished, replies = await loop.run_in_executor(
                     self._pool, self._device_step, ops, ready, dict(self.tasks))
-                self.stats.busy_s += time.perf_counter() - t0
+                self.stats.busy_s += loop.time() - t0
                 for fut, value in replies:
                     if not fut.done():
                         fut.set_result(value)
@@ -372,11 +392,15 @@ class RolloutRank:
         """
         eng = self.engine
         many = getattr(eng, "prefill_many", None)
+        share = self._share_sources(batch) if self.share_prefixes and many is not None else {}
+        if share:
+            batch = self._defer_followers(batch, share)
         while batch:
             reqs = [PrefillRequest(self._snap[tid].prefix, self._snap[tid].pending or [],
                                     len(self._snap[tid].pending or []),
                                     task_id=self._snap[tid].sample_id,
                                     temperature=self._snap[tid].temperature,
+                                    share=share.get(self._snap[tid].share_key),
                                     max_action_tokens=self._snap[tid].max_action_tokens)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
@@ -394,6 +418,8 @@ class RolloutRank:
                 continue
             c1 = eng.counters
             self.stats.prefill_batches += 1
+            self.stats.shared_tokens += getattr(c1, "prompt_tokens_shared", 0) - getattr(
+                c0, "prompt_tokens_shared", 0)
             self.stats.recomputed_evicted += c1.recomputed_evicted - c0.recomputed_evicted
             self.stats.recomputed_version += c1.recomputed_version - c0.recomputed_version
             finished = []
@@ -407,6 +433,45 @@ class RolloutRank:
                     self._state = eng.insert(p, self._state)
             return finished
         return []
+
+    def _resident(self, p: Prefix | None) -> bool:
+        return p is not None and p.slot is not None and p.kv_length > 0 \
+            and p.version == self.engine.version
+
+    def _share_sources(self, batch: list[int]) -> dict[str, list[Prefix]]:
+        """Per group in `batch`: every handle of that group on this rank (the engine picks the
+        resident one covering the longest common prefix)."""
+        keys = {self._snap[tid].share_key for tid in batch} - {None}
+        out: dict[str, list[Prefix]] = {k: [] for k in keys}
+        for t in self._snap.values():
+            if t.share_key in out and t.prefix is not None:
+                out[t.share_key].append(t.prefix)
+        return out
+
+    def _defer_followers(self, batch: list[int], share: dict[str, list[Prefix]]) -> list[int]:
+        """Holds back a task that must compute its whole context when a sibling earlier in the
+        batch computes a different context with the same start (a flush or evictions dropped
+        the group's KV): next iteration it takes the common prefix from that sibling. Identical
+        contexts stay: the engine computes them once."""
+        ps = getattr(getattr(self.engine, "cfg", None), "page_size", 1)
+        first: dict[str, list[int]] = {}
+        keep = []
+        for tid in batch:
+            t = self._snap[tid]
+            key = t.share_key
+            if key is None or self._resident(t.prefix) or any(
+                    self._resident(p) for p in share.get(key, ())):
+                keep.append(tid)
+                continue
+            ctx = (t.prefix.tokens if t.prefix is not None else []) + (t.pending or [])
+            lead = first.get(key)
+            if lead is None:
+                first[key] = ctx
+            elif ctx != lead and len(ctx) >= ps and ctx[:ps] == lead[:ps]:
+                self.stats.deferred_shares += 1
+                continue
+            keep.append(tid)
+        return keep
 
     def _after_prefill(self, t: _Task, p: Prefix, n_before: int) -> None:
         t.prefix, t.pending = p, None
@@ -450,8 +515,10 @@ class RolloutRank:
         return out
 
     def _evict_lru(self, *, exclude: set[int] | None) -> bool:
-        """Evicts one idle task's KV: paused ones first (CTB parked them), then LRU."""
-        idle = [(not t.paused, t.last_used, tid) for tid, t in self._snap.items()
+        """Evicts one idle task's KV: paused ones first (CTB let them go), the lowest value
+        to the scheduler first, then LRU."""
+        idle = [(not t.paused, t.keep if t.paused else 0.0, t.last_used, tid)
+                for tid, t in self._snap.items()
                 if (exclude is None or tid not in exclude) and not t.decoding
                 and t.prefix is not None and t.prefix.slot is not None]
         if not idle:

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,6 +39,9 @@ from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import Handoff, RankFailedError, RankStats, RolloutRank, TurnResult
 
 log = logging.getLogger(__name__)
+
+BUSY_TAU_S = 2.0
+"""Time constant of the engine busy share the scheduler sees (seconds of loop time)."""
 
 
 class RolloutFailedError(RuntimeError):
@@ -133,14 +137,47 @@ class RolloutManager:
         self.episodes: dict[str, _Episode] = {}
         """Live episodes only (a finished one is forgotten)."""
         self._keys = itertools.count()
-        self.decisions = {"admit": 0, "pause": 0, "resume": 0, "migrate": 0}
+        self.decisions = {"admit": 0, "pause": 0, "park": 0, "resume": 0, "migrate": 0}
         self.end_reasons: dict[str, int] = {}
         self.submitted = 0
         self.fatal: RolloutFailedError | None = None
+        self._clocked = False
+        self._busy_at: float | None = None
+        self._busy_s: list[float] = []
+        self._window: tuple[float, list[float], dict[str, float]] | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
+    def _busy_now(self) -> list[float]:
+        # Seconds each rank slot's engine has worked; an empty slot (ERS moved its cell) none.
+        return [0.0 if r is None else r.stats.busy_s for r in self.ranks]
+
+    def _track_busy(self) -> None:
+        """Keeps the scheduler's per-rank engine busy share current (exponential average
+        over about `BUSY_TAU_S` of loop time)."""
+        now = self.sched.clock()
+        last = self._busy_at
+        self._busy_at = now
+        busy = self._busy_now()
+        if last is None or len(busy) != len(self._busy_s):  # first round, or slots added
+            self._busy_s = busy
+            self._busy_sum = [0.0] * len(busy)
+            self._busy_wall = 0.0
+            return
+        dt = now - last
+        if dt <= 0:
+            return
+        # Decaying sums of busy seconds and of elapsed seconds: busy time arrives in lumps
+        # (one per engine call), so a per-event rate would be all or nothing.
+        decay = math.exp(-dt / BUSY_TAU_S)
+        self._busy_wall = self._busy_wall * decay + dt
+        for i, b in enumerate(busy):
+            self._busy_sum[i] = self._busy_sum[i] * decay + max(0.0, b - self._busy_s[i])
+            self._busy_s[i] = b
+            self.sched.engine_busy[i] = min(1.0, self._busy_sum[i] / self._busy_wall)
+
     def kick(self) -> None:
         """One scheduling round; applies its decisions."""
+        self._track_busy()
         for d in self.sched.schedule():
             ep = self.episodes[d.task_id]
             if isinstance(d, Admit):
@@ -148,9 +185,10 @@ class RolloutManager:
                 ep.rank = d.rank
                 ep.wake.set()
             elif isinstance(d, Pause):
-                self.decisions["pause"] += 1
+                self.decisions["park" if d.parked else "pause"] += 1
                 if ep.holder == d.rank:
-                    self.ranks[d.rank].pause(ep.key)
+                    keep = getattr(self.sched, "keep_value", None)
+                    self.ranks[d.rank].pause(ep.key, keep(ep.task) if keep else 0.0)
                 ep.wake.clear()
             elif isinstance(d, Resume):
                 # A task is paused only between turns, so it has no turn in flight here; on
@@ -221,6 +259,10 @@ class RolloutManager:
     async def run_group(self, group: dict[str, Any], *, is_eval: bool = False
                         ) -> list[Trajectory]:
         """Plays every task of `group` to its end (failures included) and returns them."""
+        if not self._clocked:
+            self.sched.set_clock(asyncio.get_running_loop().time)
+            self._clocked = True
+            self.new_window()
         specs = group["tasks"]
         eps = []
         for spec in specs:
@@ -252,6 +294,12 @@ class RolloutManager:
                     await self.env.resume(ep.session)
                     continue  # state may have changed while we awaited
                 return self.ranks[ep.rank]
+            if ep.task.state == "paused" and not ep.task.ready and not ep.task.executing:
+                # It waits here for its next turn, so its environment (or agent) has
+                # answered; a parked task is resumed only once the scheduler knows that.
+                self.sched.set_ready(ep.task.task_id)
+                self.kick()
+                continue
             if ep.session and not ep.env_paused:
                 ep.env_paused = True
                 await self.env.pause(ep.session)
@@ -276,11 +324,12 @@ class RolloutManager:
             new_tokens = list(transcript.tokens)
             reward: float | None = None
             while True:
-                await self._active(ep)
-                # Executing from here to the end of the turn: CTB never pauses it meanwhile,
-                # and its context counts in its rank's usage.
-                self.sched.update_usage(tid, len(transcript), executing=True)
+                # Its environment answered: it wants the engine (the scheduler resumes ready
+                # tasks first and knows how long each type waits).
+                self.sched.update_usage(tid, len(transcript), ready=True)
                 self.kick()
+                # Executing from the turn's start (`_turn`) to its end: CTB never pauses it
+                # meanwhile, and its context counts in its rank's usage.
                 result = await self._turn(ep, new_tokens)
                 self.sched.set_executing(tid, False)
                 self.kick()  # waiting on its env now: the scheduler may park it
@@ -388,6 +437,7 @@ class RolloutManager:
             self.sched.set_executing(ep.task.task_id, True)
             try:
                 fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp,
+                                share_key=ep.task.group_id,
                                 max_action_tokens=max_action_tokens)
                 ep.holder, given, prefix = rank.rank_id, True, None
                 return await fut
@@ -411,12 +461,49 @@ class RolloutManager:
         self.kick()
 
     # -- metrics --------------------------------------------------------------------------------
+    def new_window(self) -> None:
+        """Starts the window that `stats()`'s engine_busy and tasks_* average over (the
+        controller starts one per step)."""
+        self.sched.phases.advance(self.sched.clock())
+        self._window = (self.sched.clock(), self._busy_now(),
+                        dict(self.sched.phases.seconds))
+
+    def _window_stats(self) -> dict[str, float]:
+        if self._window is None:
+            self.new_window()
+        t0, busy0, sec0 = self._window
+        now = self.sched.clock()
+        ph = self.sched.phases
+        ph.advance(now)
+        dt = now - t0
+        now_busy = self._busy_now()
+        live = [i for i in range(len(self.ranks))
+                if i not in self.sched.dead and self.ranks[i] is not None] or [0]
+        if dt <= 0 or not self.ranks:  # nothing elapsed yet: the current counts
+            busy = 0.0
+            avg = {k: float(n) for k, n in ph.counts.items()}
+        else:
+            busy = sum(min(1.0, max(0.0, now_busy[i] - (busy0[i] if i < len(busy0) else 0.0))
+                               / dt) for i in live) / len(live)
+            avg = {k: (ph.seconds[k] - sec0[k]) / dt for k in ph.seconds}
+        return {"engine_busy": busy, "tasks_executing": avg["executing"],
+                "tasks_ready": avg["ready"], "tasks_waiting": avg["waiting"],
+                "window_s": max(dt, 0.0)}
+
     def stats(self) -> dict[str, Any]:
+        """Token and decision counters since the start; `engine_busy` (the share of the window
+        the ranks' engines worked, mean over live ranks) and `tasks_executing` /
+        `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
+        their observation in hand, and waiting on their environment) over the window since
+        `new_window()`."""
         live = [r for r in self.ranks if r is not None]
         every = [r.stats for r in live] + [self.retired]
         prompt = sum(s.prompt_tokens for s in every)
         cached = sum(s.cached_tokens for s in every)
         return {
+            **self._window_stats(),
+            "tasks_paused": self.sched.n_paused(),
+            "shared_tokens": sum(s.shared_tokens for s in every),
             "kv_hit_rate": cached / max(1, prompt),
             "prompt_tokens": prompt,
             "cached_tokens": cached,

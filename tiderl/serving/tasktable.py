@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
+from tiderl.serving.taskstats import PhaseClock, TypeStats
+
 if TYPE_CHECKING:
-    from tiderl.serving.ctb import CTBConfig
+    from tiderl.serving.ctb_config import CTBConfig
 
 
 State = Literal["new", "active", "paused", "done"]
@@ -41,6 +44,17 @@ class Task:
     """Its context length has been reported (`update_usage`); until then usage uses the probe."""
     turns: int = 0
     """Turns started (`update_usage` calls)."""
+    ready: bool = False
+    """Its environment answered: it wants the engine for its next turn (cleared when the turn
+    starts executing)."""
+    since: float = 0.0
+    """When it entered its current phase (executing, ready or waiting on its environment)."""
+    answered: float = 0.0
+    """When its environment last answered (its turn's time outside the environment, waiting
+    for room and the engine included, runs from here to the turn's end)."""
+    parked: bool = False
+    """Paused by the release valve while it waits on its environment: it holds no budget and
+    is not resumed until its environment answers (CTB's `park_below_busy`)."""
 
     def __post_init__(self):
         self.tokens = max(self.tokens, self.prompt_tokens)
@@ -56,6 +70,8 @@ class Admit:
 class Pause:
     task_id: str
     rank: int
+    parked: bool = False
+    """Released while it waits on its environment (CTB's release valve), not over budget."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +142,24 @@ class TaskTable:
         """Per rank: task type -> group -> its active tasks there (admission's diversity)."""
         self._dirty = [True] * n
         """Per rank: its cached usage is stale (CTB recomputes it on the next read)."""
+        self.engine_busy = [1.0] * n
+        """Per rank: the recent share of time its engine worked (the runner keeps it current;
+        CTB parks waiting tasks only on a rank with time to spare)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """Seconds; the runner sets its event loop's clock (virtual time in the simulator)."""
+        self.type_stats: dict[str, TypeStats] = {}
+        """Per task type: environment waits and compute per turn, learned online."""
+        self.phases = PhaseClock(self.clock())
+        """How many live tasks execute, are ready, or wait on their environment (and since
+        when, integrated: per-step averages)."""
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Measures phases and waits on `clock` (the runner's event loop time) from now on."""
+        self.clock = clock
+        now = clock()
+        self.phases.rebase(now)
+        for t in self.tasks.values():
+            t.since = now
 
     @property
     def horizon_turns(self) -> int | None:
@@ -159,13 +193,20 @@ class TaskTable:
             if t.is_eval:
                 self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
 
-    def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None) -> None:
-        """Called at the start of every turn with the task's context length."""
+    def update_usage(self, task_id: str, tokens: int, *, executing: bool | None = None,
+                     ready: bool = False) -> None:
+        """Called once per turn with the task's context length for that turn: when its
+        environment answered (`ready=True`: it wants the engine now), or when the turn starts
+        (`executing=True`)."""
         t = self.tasks[task_id]
+        if ready or executing:
+            self._env_answered(t)
         if t.measured and tokens > t.tokens:
             total, n = self.growth.get(t.task_type, (0, 0))
             self.growth[t.task_type] = (total + tokens - t.tokens, n + 1)
             self._stats_version += 1
+        if not t.measured and not t.prompt_tokens:
+            t.prompt_tokens = tokens  # a task's first report is its prompt
         t.tokens, t.measured = tokens, True
         t.turns += 1
         if t.state == "active":
@@ -176,7 +217,47 @@ class TaskTable:
             self._add_probe(t.group_id, tokens)
 
     def set_executing(self, task_id: str, executing: bool) -> None:
-        self._set_executing(self.tasks[task_id], executing)
+        """A turn starts (True) or ends (False: the task now waits on its environment)."""
+        t = self.tasks[task_id]
+        if executing:
+            self._env_answered(t)
+        elif t.executing and t.state in LIVE_STATES:
+            self._stats(t).add_compute(self.clock() - t.answered)
+        self._set_executing(t, executing)
+
+    def set_ready(self, task_id: str) -> None:
+        """The task's environment answered and it wants its next turn (its size is reported
+        with the turn's `update_usage`)."""
+        self._env_answered(self.tasks[task_id])
+
+    def _env_answered(self, t: Task) -> None:
+        if t.state in LIVE_STATES and not t.executing and not t.ready:
+            now = self.clock()
+            self._stats(t).waits.add(now - t.since)
+            t.answered = now
+            self._phase_change(t, lambda: setattr(t, "ready", True))
+        t.parked = False
+
+    def _stats(self, t: Task) -> TypeStats:
+        st = self.type_stats.get(t.task_type)
+        if st is None:
+            st = self.type_stats[t.task_type] = TypeStats()
+        return st
+
+    def phase(self, t: Task) -> str | None:
+        """'executing', 'ready' or 'waiting' (on its environment) for a live task, else None."""
+        if t.state not in LIVE_STATES:
+            return None
+        return "executing" if t.executing else "ready" if t.ready else "waiting"
+
+    def _phase_change(self, t: Task, change: Callable[[], None]) -> None:
+        old = self.phase(t)
+        change()
+        new = self.phase(t)
+        if new != old:
+            now = self.clock()
+            self.phases.move(now, old, new)
+            t.since = now
 
     def finish(self, task_id: str) -> None:
         t = self.tasks[task_id]
@@ -211,8 +292,11 @@ class TaskTable:
         moved = []
         for t in self.tasks.values():
             if t.rank == rank and t.state in LIVE_STATES:
+                was = t.executing
                 self._set_executing(t, False)
                 self._move(t, "paused", None)
+                if was:  # its turn must run again elsewhere: it wants the engine now
+                    self._phase_change(t, lambda t=t: setattr(t, "ready", True))
                 moved.append(t.task_id)
         return moved
 
@@ -246,6 +330,9 @@ class TaskTable:
     def pending(self) -> int:
         return self._n_queued + len(self._paused)
 
+    def n_paused(self) -> int:
+        return len(self._paused)
+
     def completion(self, group_id: str) -> float:
         return self.group_done[group_id] / len(self.groups[group_id])
 
@@ -260,7 +347,15 @@ class TaskTable:
     # -- index upkeep -------------------------------------------------------------------------
     def _move(self, t: Task, state: State, rank: int | None) -> None:
         """The only place a task's state or rank changes."""
+        if (t.state in LIVE_STATES) != (state in LIVE_STATES):
+            self._phase_change(t, lambda: self._move_to(t, state, rank))
+        else:
+            self._move_to(t, state, rank)
+
+    def _move_to(self, t: Task, state: State, rank: int | None) -> None:
         old = t.state
+        if state != "paused":
+            t.parked = False
         if old == "active":
             self._leave(t)
         elif old == "paused" and state != "paused":
@@ -307,7 +402,14 @@ class TaskTable:
 
     def _set_executing(self, t: Task, executing: bool) -> None:
         # Not indexed: it changes neither usage nor any set; rounds read it from the task.
-        t.executing = executing
+        if t.executing == executing and not (executing and t.ready):
+            return
+
+        def change():
+            t.executing = executing
+            t.ready = t.ready and not executing
+
+        self._phase_change(t, change)
 
     def _dequeue(self, t: Task, *, drop_empty: bool) -> None:
         tids = self.queue[t.group_id]
@@ -340,6 +442,12 @@ class TaskTable:
 
     def _add_probe(self, group_id: str, tokens: int) -> None:
         self.group_probe[group_id] = tokens
+        for tid in self.groups[group_id]:  # siblings share the prompt the probe reported
+            s = self.tasks[tid]
+            if not s.prompt_tokens:
+                s.prompt_tokens = s.tokens = max(s.tokens, tokens)
+                if s.state == "active":
+                    self._dirty[s.rank] = True
         kind = self._group_type[group_id]
         self._type_probes.setdefault(kind, {})[group_id] = tokens
         top = self._type_probe_max.get(kind)
@@ -418,3 +526,8 @@ class TaskTable:
         expect(self._type_probes == probes, "probes per type")
         expect(self._type_probe_max == {k: max(v.values()) for k, v in probes.items()},
                "largest probe per type")
+        phases = dict.fromkeys(self.phases.counts, 0)
+        for t in self.tasks.values():
+            if (ph := self.phase(t)) is not None:
+                phases[ph] += 1
+        expect(self.phases.counts == phases, f"phase counts {self.phases.counts} != {phases}")

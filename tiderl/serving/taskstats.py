@@ -1,0 +1,120 @@
+"""What the schedulers learn online about each task type: environment waits, compute per turn,
+and where live tasks are (executing, ready for the engine, waiting on their environment). No JAX.
+
+A task alternates between its turn on a rank (executing: prefill + decode) and its environment
+(waiting: `/start` or `/observation` in flight); once the environment answers it is ready and
+wants the engine again. A waiting task holds KV but no compute (arXiv 2608.10402, §4), so how
+long it will still wait decides whether its KV is worth keeping: `WaitModel.remaining` is the
+expected remaining wait of a task that has waited `a` seconds, E[W - a | W > a], from the waits
+seen so far (heavy tails make it grow with `a`: the task that has waited longest will most
+likely wait longest).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+PHASES = ("executing", "ready", "waiting")
+
+
+class WaitModel:
+    """Recent samples of one task type's environment waits (seconds), kept sorted."""
+
+    def __init__(self, window: int = 256):
+        self.window = window
+        self._order: collections.deque[float] = collections.deque()
+        self._sorted: list[float] = []
+        self._suffix: list[float] | None = None
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, wait_s: float) -> None:
+        wait_s = max(0.0, float(wait_s))
+        self._order.append(wait_s)
+        bisect.insort(self._sorted, wait_s)
+        if len(self._order) > self.window:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._suffix = None
+        self.count += 1
+        self.total += wait_s
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self._sorted) / len(self._sorted) if self._sorted else None
+
+    def remaining(self, waited_s: float) -> float | None:
+        """E[W - a | W > a] over the samples; past the largest sample, the largest sample's
+        excess over the mean (a wait longer than any seen is taken to go on about as long
+        again as the longest did beyond the mean). None before any sample."""
+        xs = self._sorted
+        if not xs:
+            return None
+        if self._suffix is None:
+            acc, suf = 0.0, [0.0] * (len(xs) + 1)
+            for i in range(len(xs) - 1, -1, -1):
+                acc += xs[i]
+                suf[i] = acc
+            self._suffix = suf
+        i = bisect.bisect_right(xs, waited_s)
+        n = len(xs) - i
+        if n == 0:
+            mean = self._suffix[0] / len(xs)
+            return max(xs[-1] - mean, mean)
+        return self._suffix[i] / n - waited_s
+
+
+@dataclasses.dataclass
+class TypeStats:
+    """One task type: its environment waits and its compute per turn."""
+
+    waits: WaitModel = dataclasses.field(default_factory=WaitModel)
+    compute_s: float = 0.0
+    """Mean seconds a turn spends outside its environment: from the answer to the turn's
+    end, waiting for room and for the engine included (exponential average)."""
+    turns: int = 0
+
+    def add_compute(self, seconds: float, alpha: float = 0.1) -> None:
+        self.turns += 1
+        a = 1.0 if self.turns == 1 else alpha
+        self.compute_s += a * (max(0.0, seconds) - self.compute_s)
+
+    @property
+    def wait_fraction(self) -> float | None:
+        """Share of a turn cycle spent waiting on the environment (None before data)."""
+        w = self.waits.mean
+        if w is None or not self.turns:
+            return None
+        return w / max(w + self.compute_s, 1e-9)
+
+
+class PhaseClock:
+    """Time integrals of how many live tasks are in each phase (for per-step averages)."""
+
+    def __init__(self, now: float = 0.0):
+        self.counts = dict.fromkeys(PHASES, 0)
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._last = now
+
+    def advance(self, now: float) -> None:
+        dt = now - self._last
+        if dt > 0:
+            for k, n in self.counts.items():
+                self.seconds[k] += n * dt
+        self._last = max(self._last, now)
+
+    def rebase(self, now: float) -> None:
+        """A new clock: integrate from `now` on (what was integrated stays)."""
+        self._last = now
+
+    def move(self, now: float, old: str | None, new: str | None) -> None:
+        self.advance(now)
+        if old is not None:
+            self.counts[old] -= 1
+        if new is not None:
+            self.counts[new] += 1
