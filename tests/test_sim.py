@@ -303,3 +303,32 @@ def test_fig14_command_prints_its_json(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"cm_over_vs", "dm_over_vs"} <= set(res) and (tmp_path / "fig14.png").is_file()
     assert res["cm_over_vso"] < 1  # aggregation saves swaps over per-micro-batch alternation
+
+
+def test_shared_host_shares_its_capacity():
+    """Processor sharing on one CPU machine: work beside other work runs slower."""
+    import asyncio
+
+    from tiderl.sim.clock import run_virtual
+    from tiderl.sim.host import SharedHost
+
+    async def go():
+        h = SharedHost(capacity=1.0)
+        loop = asyncio.get_running_loop()
+        assert h.fixed(0.5) == pytest.approx(0.5)  # alone: full rate
+        t0 = loop.time()
+        await h.elastic(1.0)  # half rate while the fixed work runs, then full
+        elastic = loop.time() - t0
+        beside = h.fixed(1.0)  # nothing else in flight now
+        both = asyncio.ensure_future(h.elastic(1.0))
+        await asyncio.sleep(0)
+        late = h.fixed(1.0)  # starts beside the elastic and the first fixed work
+        await both
+        return elastic, beside, late, loop.time() - t0
+
+    elastic, beside, late, _ = run_virtual(go())
+    assert elastic == pytest.approx(0.5 + 0.75, abs=1e-4)
+    assert beside == pytest.approx(1.0) and late == pytest.approx(3.0)
+    assert SharedHost(capacity=2.0).capacity == 2.0
+    with pytest.raises(ValueError, match="capacity"):
+        SharedHost(capacity=0)

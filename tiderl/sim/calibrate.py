@@ -369,8 +369,11 @@ def _contention(cfg: Any, graphdef: Any, params: Any, device: Any, be: Any,
             out.setdefault("rollout", []).append(busy([train_op], fg_engine) / alone_e)
     finally:
         env_loop.close()  # type: ignore[attr-defined]
-    return {"slowdown_rollout": statistics.median(out["rollout"]),
-            "slowdown_trainer": statistics.median(out["trainer"])}
+    s_t, s_r = statistics.median(out["trainer"]), statistics.median(out["rollout"])
+    # Processor sharing: n streams at capacity C each run at C / n, i.e. n / C times slower.
+    # The trainer ran beside two streams (engine, env loop), the engine beside one (trainer).
+    return {"slowdown_trainer": s_t, "slowdown_rollout": s_r,
+            "capacity": statistics.fmean([3 / s_t, 2 / s_r])}
 
 
 def _env_load(cfg: Any) -> Callable[[], None]:
@@ -479,7 +482,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     ops.update({"swap": {"c0": 0.0}, "role_change": {"c0": 0.0}, "context_switch": {"c0": 0.0}})
     profile = {
         "name": "cpu-fitted", "kind": "fitted",
-        "engine": engine_rules, "ops": ops, "host": host,
+        "engine": engine_rules, "ops": ops, "host": {"capacity": host["capacity"]},
         "notes": {
             "fitted_by": "python -m tiderl.sim.calibrate" + (" --quick" if quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats,
@@ -487,6 +490,8 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "seconds": round(time.perf_counter() - t0, 1),
             "mape": {k: round(v, 4) for k, v in report["mape"].items()},
             "noise_iqr_over_median": {k: round(v, 4) for k, v in report["noise"].items()},
+            "slowdown_trainer_beside_rollout": round(host["slowdown_trainer"], 3),
+            "slowdown_rollout_beside_trainer": round(host["slowdown_rollout"], 3),
         },
     }
     return profile, report
@@ -517,10 +522,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# Fitted by `python -m tiderl.sim.calibrate` on this machine (see notes); rerun to\n"
         "# refit. Costs: c0 + max(flops / flops_rate, bytes / hbm_rate), seconds.\n"
         + yaml.safe_dump(profile, sort_keys=False))
-    print(f"shared host: rollout work {profile['host']['slowdown_rollout']:.2f}x slower while "
-          f"the trainer runs, trainer work {profile['host']['slowdown_trainer']:.2f}x slower "
-          "while rollout runs")
-    print(f"wrote {args.out}")
+    n = profile["notes"]
+    print(f"shared host: trainer work {n['slowdown_trainer_beside_rollout']:.2f}x slower beside "
+          f"rollout (engine + env loop), engine work {n['slowdown_rollout_beside_trainer']:.2f}x"
+          f" slower beside the trainer: {profile['host']['capacity']:.2f} effective cores")
+    samples = Path(args.out).with_suffix(".samples.json")
+    samples.write_text(json.dumps(report["samples"], indent=1))
+    print(f"wrote {args.out} (measurements and fits: {samples})")
     print(json.dumps({"profile": args.out, "host": profile["host"],
                       "mape": {k: round(v, 4) for k, v in report["mape"].items()},
                       "noise": {k: round(v, 4) for k, v in report["noise"].items()}}))

@@ -5,6 +5,8 @@ Sleeps take no real time; the loop's time jumps to the next timer once nothing i
 host work of every callback (the controller, CTB, ranks, buffer — and the simulated backends'
 own bookkeeping) is measured in real seconds per loop iteration; with `charge_cpu`, it is also
 added to the virtual clock, so a control plane too slow for its cluster shows up as lost time.
+With a `SharedHost` (one CPU machine), that work is one more stream on the shared host: it
+takes longer while other work runs, and slows that work down.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class CpuMeter:
         self.iterations = 0
 
 
-def _patch(loop: Any, meter: CpuMeter, charge: bool) -> None:
+def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
     run_once = loop._run_once
     # looptime keeps its clock as integer ticks in a name-mangled attribute.
     attr = "_LoopTimeEventLoop__now"
@@ -40,19 +42,21 @@ def _patch(loop: Any, meter: CpuMeter, charge: bool) -> None:
         meter.cpu_s += dt
         meter.iterations += 1
         if charge and hasattr(loop, attr):
+            if host is not None:
+                dt = host.fixed(dt)
             setattr(loop, attr, getattr(loop, attr) + int(dt / tick))
 
     loop._run_once = measured
 
 
 def run_virtual(coro: Coroutine[Any, Any, T], *, charge_cpu: bool = False,
-                meter: CpuMeter | None = None) -> T:
+                meter: CpuMeter | None = None, host: Any = None) -> T:
     """Runs `coro` to completion on a fresh virtual-time loop (starting at t = 0)."""
     # One no-op cycle before each jump suffices: the simulator runs nothing outside the loop
     # (no threads, no sockets), and looptime's default 42 cost ~40 idle iterations per jump.
     loop = looptime.new_event_loop(start=0.0, noop_cycles=1)
     meter = meter if meter is not None else CpuMeter()
-    _patch(loop, meter, charge_cpu)
+    _patch(loop, meter, charge_cpu, host)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(coro)

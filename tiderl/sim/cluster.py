@@ -76,6 +76,8 @@ class SimConfig:
     """Trainer micro-batch budget per data-parallel rank (tokens)."""
     max_slots: int = 1024
     """Sequences a rollout rank holds at once (vLLM's max_num_seqs)."""
+    prefill_batch: int = 64
+    """Most tasks one rank prefills in one engine call (the rest wait for the next step)."""
     vanilla_concurrency: int = 0
     """Request-level baselines: tasks in flight across ranks (0: 1,024 per rank, the
     maximum the paper allows)."""
@@ -88,6 +90,9 @@ class SimConfig:
     drift_steps: int = 100
     time_limit_s: float = 0.0
     charge_cpu: bool = False
+    planner: str = ""
+    """The scaling planner the controller consults after each update, as `module:Class`
+    (a `tiderl.control.ers.Planner`); '' keeps the split (`KeepSplit`)."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -161,6 +166,20 @@ class SimRun:
         return [r for r in self.records if r.get("kind") == "step"]
 
 
+def make_planner(spec: str) -> Any:
+    """The production planner named `module:Class` (None: the controller's default)."""
+    if not spec:
+        return None
+    import importlib
+
+    mod, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), name)()
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"sim planner {spec!r} cannot be loaded ({e}); give module:Class of "
+                          "a tiderl.control.ers planner") from e
+
+
 def build_costs(cfg: SimConfig) -> CostModel:
     return CostModel(load_profile(cfg.profile), model_shape(cfg.model))
 
@@ -180,7 +199,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                          num_pages=num_pages, page_size=cfg.page_size,
                          max_slots=cfg.max_slots, actions=sampler, gpus=cfg.gpus_per_rank)
                for _ in range(cfg.ranks)]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=cfg.max_slots)
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(cfg.prefill_batch, cfg.max_slots))
              for i, e in enumerate(engines)]
     for r in ranks:
         await r.start()
@@ -240,7 +259,8 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
         buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                max_staleness=cfg.max_staleness, min_ok_per_group=1,
                                zero_var="keep"),
-        roles=Roles(cfg.ranks, actor_gpus, 0 if colocated else cfg.ref_gpus))
+        roles=Roles(cfg.ranks, actor_gpus, 0 if colocated else cfg.ref_gpus),
+        planner=make_planner(cfg.planner))
     try:
         summary = await controller.run()
     finally:

@@ -168,7 +168,7 @@ class Profile:
     engine: EngineRules
     notes: Mapping[str, Any]
     host: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Rollout and trainer share one host (`tiderl.sim.host`): their measured slowdowns."""
+    """The parts share one host (`tiderl.sim.host`): its effective `capacity` in cores."""
 
     def op(self, name: str) -> OpCost:
         if name not in self.ops:
@@ -231,10 +231,10 @@ def profile_from_dict(d: Mapping[str, Any], *, source: str = "<dict>") -> Profil
     else:
         raise ConfigError(f"sim profile {source}: kind={kind!r}; use 'roofline' or 'fitted'")
     host = {k: float(_num(v)) for k, v in (d.get("host") or {}).items()}
-    unknown = set(host) - {"slowdown_rollout", "slowdown_trainer"}
+    unknown = set(host) - {"capacity"}
     if unknown:
         raise ConfigError(f"sim profile {source}: host.{sorted(unknown)[0]} is unknown; use "
-                          "slowdown_rollout, slowdown_trainer")
+                          "host.capacity (effective cores the parts share)")
     return Profile(str(d.get("name", Path(source).stem)), kind, ops, dev, eng,
                    dict(d.get("notes") or {}), host)
 

@@ -102,7 +102,7 @@ class SimEngine:
     # -- cost report (read by RolloutRank) ---------------------------------------------------
     def take_cost_s(self) -> float:
         c, self._cost = self._cost, 0.0
-        return self.host.rollout(c) if self.host is not None else c
+        return self.host.fixed(c) if self.host is not None else c
 
     def _charge(self, seconds: float) -> None:
         self._cost += seconds

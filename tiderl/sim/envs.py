@@ -109,7 +109,7 @@ class SimSuiteEnv:
     async def _overhead(self) -> None:
         if self.overhead_s:
             h = self.host
-            await asyncio.sleep(h.rollout(self.overhead_s) if h is not None else self.overhead_s)
+            await asyncio.sleep(h.fixed(self.overhead_s) if h is not None else self.overhead_s)
 
     async def start(self, task: dict) -> StartResult:
         await self._overhead()

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.sim.cluster import MODES, SimConfig, SimRun, build_costs, ratio, simulate_job
+from tiderl.sim.cluster import MODES, SimConfig, build_costs, ratio, simulate_job
 from tiderl.sim.trainer import SimMicroBatch, SimTrainer
 
 RATIOS = (0.125, 0.25, 0.5)
@@ -57,7 +57,54 @@ def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> None:
             _say("  ".join("-" * w for w in widths))
 
 
-def _save(out: Path, name: str, runs: dict[str, SimRun]) -> None:
+@dataclasses.dataclass
+class Result:
+    """What an experiment keeps of one simulated job (picklable: runs may be in workers)."""
+
+    summary: dict[str, Any]
+    steps: list[dict[str, Any]]
+    stats: dict[str, Any]
+    real_s: float
+    process_s: float
+
+
+def _simulate(cfg: SimConfig) -> Result:
+    r = simulate_job(cfg)
+    ranks = r.ranks
+    stats = {"recomputed_evicted": sum(x.stats.recomputed_evicted for x in ranks),
+             "forced_evictions": sum(x.stats.forced_evictions for x in ranks),
+             "decisions": dict(r.controller.manager.decisions),
+             "role_changes": r.trainer.role_changes}
+    return Result(r.summary, r.steps, stats, r.real_s, r.process_s)
+
+
+def run_all(cfgs: dict[str, SimConfig], jobs: int = 1) -> dict[str, Result]:
+    """Simulates every config (in `jobs` worker processes when > 1), in the order given."""
+    out: dict[str, Result] = {}
+    if jobs > 1 and len(cfgs) > 1:
+        import concurrent.futures
+
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cfgs))) as pool:
+            futs = {label: pool.submit(_simulate, cfg) for label, cfg in cfgs.items()}
+            for label, f in futs.items():
+                out[label] = f.result()
+                _report(label, out[label])
+        return out
+    for label, cfg in cfgs.items():
+        out[label] = _simulate(cfg)
+        _report(label, out[label])
+    return out
+
+
+def _report(label: str, r: Result) -> None:
+    s = r.summary
+    _say(f"  {label:28s} goodput {s.get('goodput', math.nan):9.1f} tok/s  "
+         f"steps {s.get('steps', 0):3d}  virtual {s.get('wall_s', 0):8.0f} s  "
+         f"RWT {s.get('rwt_s', 0):7.0f} s  TWT {s.get('twt_s', 0):7.0f} s  "
+         f"real {r.real_s:5.0f} s (cpu {r.process_s:5.0f} s)")
+
+
+def _save(out: Path, name: str, runs: dict[str, Result]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{name}.jsonl").open("w") as f:
         for label, run in runs.items():
@@ -74,24 +121,14 @@ def _plt():
     return plt
 
 
-def _run(label: str, cfg: SimConfig) -> SimRun:
-    t0 = time.perf_counter()
-    r = simulate_job(cfg)
-    s = r.summary
-    _say(f"  {label:28s} goodput {s.get('goodput', math.nan):9.1f} tok/s  "
-         f"steps {s.get('steps', 0):3d}  virtual {s.get('wall_s', 0):8.0f} s  "
-         f"RWT {s.get('rwt_s', 0):7.0f} s  TWT {s.get('twt_s', 0):7.0f} s  "
-         f"real {time.perf_counter() - t0:5.0f} s (cpu {r.cpu.cpu_s:5.0f} s)")
-    return r
-
-
 # -- fig4 / fig15: fixed rollout ratios on one node ------------------------------------------
-def _fixed_ratio_runs(args: argparse.Namespace, mode: str) -> dict[float, SimRun]:
+def _fixed_ratio_runs(args: argparse.Namespace, mode: str) -> dict[float, Result]:
     base = SimConfig(mode=mode, model=args.model, gpus=8, workloads=("webshop",),
                      steps=args.steps, eval_every=20, seed=args.seed,
                      groups_per_step=args.groups)
-    return {q: _run(f"{mode} ratio {q}", dataclasses.replace(base, rollout_ratio=q))
-            for q in RATIOS}
+    res = run_all({f"{mode} ratio {q}": dataclasses.replace(base, rollout_ratio=q)
+                   for q in RATIOS}, args.jobs)
+    return {q: res[f"{mode} ratio {q}"] for q in RATIOS}
 
 
 def _crossings(rwt: Sequence[float], twt: Sequence[float]) -> int:
@@ -137,7 +174,17 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
     best_q = min(waits, key=waits.__getitem__)
     rows = [(f"fixed {q}", r.summary["rwt_s"], r.summary["twt_s"], waits[q])
             for q, r in runs.items()]
-    rows.append(("ERS", "pending", "pending", "pending"))
+    ers = None
+    if args.planner:  # ERS starts from the best fixed ratio, then moves ranks
+        r = run_all({"tiderl + ERS": SimConfig(
+            mode="tiderl", model=args.model, gpus=8, workloads=("webshop",), steps=args.steps,
+            eval_every=20, seed=args.seed, groups_per_step=args.groups, rollout_ratio=best_q,
+            planner=args.planner)})["tiderl + ERS"]
+        ers = r.summary["rwt_s"] + r.summary["twt_s"]
+        rows.append(("ERS", r.summary["rwt_s"], r.summary["twt_s"], ers))
+        runs["ers"] = r
+    else:
+        rows.append(("ERS", "pending", "pending", "pending"))
     _say("\nFigure 15 (tiderl, one 8×H100 node, WebShop): total waits over the run")
     table(rows, ("split", "RWT s", "TWT s", "RWT+TWT s"))
     _say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
@@ -152,7 +199,8 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
     fig.tight_layout()
     fig.savefig(args.out / "fig15.png", dpi=120)
     _save(args.out, "fig15", {str(q): r for q, r in runs.items()})
-    return {"ers_wait_over_best_fixed": None, "best_fixed_ratio": best_q,
+    return {"ers_wait_over_best_fixed": None if ers is None else ratio(ers, waits[best_q]),
+            "best_fixed_ratio": best_q,
             **{f"wait_fixed_{q}": w for q, w in waits.items()}}
 
 
@@ -160,7 +208,7 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
 def fig8(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = []
-    all_runs: dict[str, SimRun] = {}
+    all_runs: dict[str, Result] = {}
     plt = _plt()
     models = ("qwen2.5-7b", "qwen2.5-14b") if not args.model_only else (args.model,)
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.2), squeeze=False)
@@ -168,30 +216,34 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"\n{model}:")
         base = SimConfig(model=model, gpus=32, steps=args.steps, eval_every=20, seed=args.seed,
                          groups_per_step=args.groups)
-        good: dict[str, float] = {}
-        best_ratio: dict[str, float] = {}
-        for mode in MODES:
-            ratios = (0.25,) if mode in ("sync", "tiderl") or not args.sweep else RATIOS
-            if mode == "tiderl" and args.sweep:
-                # tiderl starts from the ratio the sweep found best for async (the paper's rule)
-                ratios = (best_ratio.get("async", 0.25),)
-            cand = {}
-            for q in ratios:
-                r = _run(f"{mode} ratio {q}", dataclasses.replace(base, mode=mode,
-                                                                  rollout_ratio=q))
-                cand[q] = r
-                all_runs[f"{model}/{mode}/{q}"] = r
-            q_best = max(cand, key=lambda q: cand[q].summary.get("goodput", 0.0))
-            best_ratio[mode] = q_best
-            good[mode] = cand[q_best].summary.get("goodput", math.nan)
+        sweep = RATIOS if args.sweep else (0.25,)
+        cfgs = {f"{mode} ratio {q}": dataclasses.replace(base, mode=mode, rollout_ratio=q)
+                for mode in ("sync", "async", "stream")
+                for q in ((0.25,) if mode == "sync" else sweep)}
+        runs = run_all(cfgs, args.jobs)
+
+        def best(mode: str, runs: dict[str, Result] = runs) -> tuple[float, float]:
+            cand = {float(k.split()[-1]): r for k, r in runs.items() if k.startswith(mode + " ")}
+            q = max(cand, key=lambda q: cand[q].summary.get("goodput", 0.0))
+            return q, cand[q].summary.get("goodput", math.nan)
+
+        good = {m: best(m)[1] for m in ("sync", "async", "stream")}
+        ratios = {m: best(m)[0] for m in ("sync", "async", "stream")}
+        # tiderl starts from the ratio the sweep found best for async (the paper's rule).
+        q_t = ratios["async"]
+        runs.update(run_all({f"tiderl ratio {q_t}": dataclasses.replace(
+            base, mode="tiderl", rollout_ratio=q_t)}))
+        good["tiderl"], ratios["tiderl"] = runs[f"tiderl ratio {q_t}"].summary.get(
+            "goodput", math.nan), q_t
+        all_runs.update({f"{model}/{k}": v for k, v in runs.items()})
         sfx = "7b" if "7b" in model else "14b"
         for other in ("sync", "async", "stream"):
             out[f"tiderl_over_{other}_{sfx}"] = ratio(good["tiderl"], good[other])
         out[f"goodput_{sfx}"] = good
-        out[f"best_ratio_{sfx}"] = best_ratio
+        out[f"best_ratio_{sfx}"] = ratios
         paper = {"sync": "5.6×", "async": "1.8×", "stream": ">7× (14B)"}
         for mode in MODES:
-            rows.append((model, mode, best_ratio[mode], good[mode],
+            rows.append((model, mode, ratios[mode], good[mode],
                          ratio(good["tiderl"], good[mode]), paper.get(mode, "–")))
         ax.bar(list(good), list(good.values()))
         ax.set_title(model)
@@ -209,12 +261,11 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
 def table2(args: argparse.Namespace) -> dict[str, Any]:
     base = SimConfig(model="qwen3-4b", gpus=32, workloads=("osworld",), steps=args.steps,
                      eval_every=20, seed=args.seed, groups_per_step=args.groups)
-    runs = {
-        "baseline (stream)": _run("stream", dataclasses.replace(base, mode="stream")),
-        "+RA2P": _run("tiderl trainer, vanilla rollout",
-                      dataclasses.replace(base, mode="tiderl", scheduler="vanilla")),
-        "+CTB (no ERS)": _run("tiderl (CTB + RA2P)", dataclasses.replace(base, mode="tiderl")),
-    }
+    runs = run_all({
+        "baseline (stream)": dataclasses.replace(base, mode="stream"),
+        "+RA2P": dataclasses.replace(base, mode="tiderl", scheduler="vanilla"),
+        "+CTB (no ERS)": dataclasses.replace(base, mode="tiderl"),
+    }, args.jobs)
     g = {k: r.summary.get("goodput", math.nan) for k, r in runs.items()}
     paper = {"baseline (stream)": (20.2, "–"), "+RA2P": (23.1, "+10.4% (14.4%)"),
              "+ERS": (31.8, "+35.7% (37.7%)"), "+CTB (no ERS)": (33.3, "+4.8%")}
@@ -307,22 +358,20 @@ def ctb(args: argparse.Namespace) -> dict[str, Any]:
     groups = args.groups if args.groups != 32 else 164
     base = SimConfig(mode="sync", model=args.model, gpus=1, workloads=("webshop",), steps=1,
                      groups_per_step=groups, eval_every=0, seed=args.seed)
-    runs = {"CTB": _run("CTB", dataclasses.replace(base, scheduler="ctb")),
-            "F10 (1024)": _run("vanilla, concurrency 1024",
-                               dataclasses.replace(base, scheduler="vanilla",
-                                                   vanilla_concurrency=1024)),
-            "F9 (512)": _run("vanilla, concurrency 512",
-                             dataclasses.replace(base, scheduler="vanilla",
-                                                 vanilla_concurrency=512))}
+    runs = run_all({"CTB": dataclasses.replace(base, scheduler="ctb"),
+                    "F10 (1024)": dataclasses.replace(base, scheduler="vanilla",
+                                                      vanilla_concurrency=1024),
+                    "F9 (512)": dataclasses.replace(base, scheduler="vanilla",
+                                                    vanilla_concurrency=512)}, args.jobs)
     m = {}
     for k, r in runs.items():
         s = r.steps[-1]
         roll = s["t_rollout_end"] - s["t_rollout_start"]
         m[k] = {"hit": s["kv_hit_rate"], "step": roll,
                 "gen": s["generated_tokens"] / max(roll, 1e-9),
-                "recomputed": sum(x.stats.recomputed_evicted for x in r.ranks),
-                "pauses": r.controller.manager.decisions["pause"],
-                "evictions": sum(x.stats.forced_evictions for x in r.ranks)}
+                "recomputed": r.stats["recomputed_evicted"],
+                "pauses": r.stats["decisions"]["pause"],
+                "evictions": r.stats["forced_evictions"]}
     best = min(("F10 (1024)", "F9 (512)"), key=lambda k: m[k]["step"])
     rows = [(k, v["hit"], v["gen"], v["step"], v["recomputed"], v["evictions"], v["pauses"])
             for k, v in m.items()]
@@ -364,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="fig8: fixed-ratio baselines at 0.25 only (the paper's best)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--planner", default="", help="ERS planner as module:Class (fig15, table2)")
+    p.add_argument("--jobs", type=int, default=1, help="simulate independent runs in parallel")
     p.add_argument("--out", default="")
     p.add_argument("--quick", action="store_true", help="10 steps, no sweep (a smoke run)")
     args = p.parse_args(argv)

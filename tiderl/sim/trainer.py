@@ -165,7 +165,7 @@ class SimTrainer:
             await asyncio.sleep(seconds)
             return
         t0 = self.now()
-        await self.host.trainer(seconds)
+        await self.host.elastic(seconds)
         self._times[phase] += self.now() - t0
 
     def now(self) -> float:

@@ -52,7 +52,8 @@ def run_config(mode: str, steps: int, seed: int, run_dir: str) -> Any:
 
 # -- the simulated twin of tiderl.job.run_job -------------------------------------------------
 async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
-                    trace: dict[tuple[str, int], str] | None = None) -> dict[str, Any]:
+                    trace: dict[tuple[str, int], str] | None = None,
+                    host: Any = None) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.control.controller import Controller, Hooks
     from tiderl.control.ers import Roles
@@ -128,11 +129,14 @@ def simulate(cfg: Any, profile: str = "cpu-fitted",
     """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
     to the virtual clock, as the real run's event loop spends it."""
+    from tiderl.sim.host import SharedHost
+
     costs = CostModel(load_profile(profile), model_shape("tiny"))
+    host = SharedHost(**costs.profile.host) if costs.profile.host else None
     meter = CpuMeter()
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_virtual(_simulate(cfg, costs, tmp, trace), meter=meter,
-                          charge_cpu=charge_cpu)
+        out = run_virtual(_simulate(cfg, costs, tmp, trace, host), meter=meter,
+                          charge_cpu=charge_cpu, host=host)
     out["cpu_s"] = meter.cpu_s
     return out
 
@@ -203,11 +207,12 @@ def prime_compiles(cfg: Any) -> int:
                         ref_mesh=meshes["ref"] if plan.ref else None,
                         temperature=rcfg.temperature, policy=(graphdef, params))
     rows = 1
-    while rows <= t.rows_per_rank:
-        trajs = synthetic_trajectories(rows, vocab=cfg.model.vocab_size,
+    # Packing a full budget of short sequences can take up to twice rows_per_rank rows.
+    while rows <= 2 * t.rows_per_rank:
+        trajs = synthetic_trajectories(rows * len(plan.actor), vocab=cfg.model.vocab_size,
                                        min_len=t.row_len - 8, max_len=t.row_len, seed=rows)
         mbs, _ = microbatches(trajs, n_ranks=len(plan.actor), row_len=t.row_len,
-                              rows_per_rank=t.rows_per_rank)
+                              rows_per_rank=2 * t.rows_per_rank)
         be.train_step(mbs * 2)  # a second micro-batch: the accumulating backward compiles too
         rows *= 2
         n += 1
@@ -227,6 +232,19 @@ def run_real(cfg: Any) -> dict[str, Any]:
         summary = asyncio.run(run_job(cfg))
     return {"summary": summary, "records": read_metrics(cfg.run_dir),
             "real_s": time.perf_counter() - t0, "trace": dict(trace)}
+
+
+def save_real(r: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps({"summary": r["summary"], "records": r["records"],
+                                "real_s": r["real_s"],
+                                "trace": [[t, k, a] for (t, k), a in r["trace"].items()]},
+                               default=str))
+
+
+def load_real(path: Path) -> dict[str, Any]:
+    d = json.loads(path.read_text())
+    d["trace"] = {(t, k): a for t, k, a in d["trace"]}
+    return d
 
 
 # -- comparison -------------------------------------------------------------------------------
@@ -291,6 +309,29 @@ def print_table(res: dict[str, Any]) -> None:
           f"sim {' > '.join(res['ranking_sim'])}")
 
 
+def plot(res: dict[str, Any], path: Path) -> None:
+    """Step time per step, real against simulated, one panel per mode (first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(14, 3), sharey=True)
+    for ax, m in zip(axes, MODES, strict=True):
+        for side, style in (("real", "-o"), ("sim", "--s")):
+            runs = res["steps"][side][m]
+            if runs:
+                ax.plot([r["step"] for r in runs[0]], [r["step_time_s"] for r in runs[0]],
+                        style, ms=3, label=side)
+        e = res["modes"][m]["rel_error"]["goodput"]
+        ax.set_title(f"{m} (goodput error {e:.0%})")
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("step time (s)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tiderl.sim.validate",
                                 description=__doc__.split("\n")[0])
@@ -300,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true", help="refit the profile first")
     p.add_argument("--quick", action="store_true", help="4 steps, 1 seed (a smoke run)")
     p.add_argument("--out", default="", help="write the full comparison as JSON here")
+    p.add_argument("--real-dir", default="",
+                   help="keep each real run (records, summary, action trace) here as JSON; with "
+                        "--reuse-real, simulate against the runs found there instead")
+    p.add_argument("--reuse-real", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 4, 1
@@ -311,16 +356,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                        + (["--quick"] if args.quick else []))
     real: dict[str, list] = {m: [] for m in MODES}
     sim: dict[str, list] = {m: [] for m in MODES}
+    keep = Path(args.real_dir) if args.real_dir else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
-            warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}")
-            prime_compiles(warm)
-            run_real(warm)
+        if not args.reuse_real:
+            for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
+                warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}")
+                prime_compiles(warm)
+                run_real(warm)
         for seed in range(args.seeds):
             order = MODES[seed % 4:] + MODES[:seed % 4]
             for mode in order:
                 cfg = run_config(mode, args.steps, seed, f"{tmp}/{mode}-{seed}")
-                r = run_real(cfg)
+                saved = keep / f"{mode}-{seed}.json" if keep is not None else None
+                if args.reuse_real:
+                    if saved is None or not saved.is_file():
+                        raise SystemExit(f"--reuse-real: {saved} not found; run once with "
+                                         "--real-dir to keep the real runs")
+                    r = load_real(saved)
+                else:
+                    r = run_real(cfg)
+                    if saved is not None:
+                        save_real(r, saved)
                 s = simulate(cfg, args.profile, r["trace"])
                 real[mode].append(r)
                 sim[mode].append(s)
@@ -330,7 +388,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = compare(real, sim)
     print_table(res)
     if args.out:
+        keep = ("step", "wall_s", "step_time_s", "rwt_s", "twt_s", "goodput", "kv_hit_rate",
+                "prefill_computed", "consumed_tokens", "generated_tokens")
+        res["steps"] = {side: {m: [[{k: r.get(k) for k in keep} for r in step_records(o)]
+                                   for o in runs[m]] for m in MODES}
+                        for side, runs in (("real", real), ("sim", sim))}
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+        plot(res, Path(args.out).with_suffix(".png"))
     head = {"max_goodput_rel_error": res["max_goodput_rel_error"],
             "same_ranking": res["same_ranking"],
             **{f"goodput_rel_error_{m}": v["rel_error"]["goodput"]
