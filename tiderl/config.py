@@ -109,15 +109,24 @@ class RunConfig:
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
 
-    def device_plan(self, n_devices: int) -> DevicePlan:
-        colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"
+    def device_plan(self, n_devices: int, platform: str = "cpu") -> DevicePlan:
+        """Roles on `n_devices` devices of `platform` (the one JAX started on): its defaults
+        (`cluster.colocate_rollout=auto`) and the remedy a plan that does not fit names."""
+        from tiderl.platforms import resolve_colocate
+
+        r, t = self.rollout, self.trainer
+        colocate = self.controller.mode == "sync" or resolve_colocate(
+            self.cluster.colocate_rollout, platform=platform, n_devices=n_devices,
+            separate_need=r.ranks * r.devices_per_rank + t.actor_devices + t.ref_devices,
+            colocated_need=max(r.ranks * r.devices_per_rank, t.actor_devices + t.ref_devices))
         return plan_devices(
             n_devices,
-            ranks=self.rollout.ranks,
-            devices_per_rank=self.rollout.devices_per_rank,
-            actor_devices=self.trainer.actor_devices,
-            ref_devices=self.trainer.ref_devices,
+            ranks=r.ranks,
+            devices_per_rank=r.devices_per_rank,
+            actor_devices=t.actor_devices,
+            ref_devices=t.ref_devices,
             colocate_rollout=colocate,
+            platform=platform,
         )
 
     def to_yaml(self) -> str:
@@ -138,7 +147,7 @@ BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaul
 # Model keys the run chooses; every other `model.*` key describes the network's shape, which a
 # checkpoint (`model.checkpoint`, `model.init_from`) defines.
 MODEL_RUN_KEYS = frozenset({"policy", "checkpoint", "init_from", "tokenizer", "param_dtype",
-                            "compute_dtype", "init_std"})
+                            "compute_dtype", "init_std", "attention_impl"})
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
-from tiderl.control.controller import NonFiniteStop
-from tiderl.serving.rollout import RolloutFailedError
+from tiderl.logs import setup_logging
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -50,11 +49,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    check_env(cfg)  # first: it needs no JAX, so a wrong env.url fails within seconds
+    from tiderl.control.sinks import check_loggers
     from tiderl.envs.templates import template_for
-    from tiderl.models.policy import check_policy
+    from tiderl.models.policy import check_policy  # imports JAX (seconds)
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
+    check_loggers(cfg.controller.loggers)
     try:
         tok = load_tokenizer(cfg.model.tokenizer)
         template = template_for(tok, "auto")
@@ -73,6 +75,32 @@ def validate(cfg: RunConfig) -> None:
             "Llama 3)")
 
 
+def check_env(cfg: RunConfig) -> None:
+    """The env side before any work: user code named by env.suite/env.reward/env.agent imports,
+    task files read, and env.url answers /health within seconds (one line naming it if not)."""
+    from tiderl.envs.health import env_url_error
+    from tiderl.envs.suites import adapter_class, load_object
+    from tiderl.envs.taskfile import check_chat_rows, read_rows
+
+    env = cfg.env
+    if env.kind == "env":
+        try:
+            adapter_class(env.suite_name)
+        except (ValueError, ModuleNotFoundError) as e:
+            raise ConfigError(f"config key 'env.suite'={env.suite!r}: {e}") from e
+    for key, spec in (("env.reward", env.reward), ("env.agent", env.agent)):
+        if spec and not callable(load_object(spec, key)):
+            raise ConfigError(f"config key '{key}'={spec!r} is not callable")
+    for key, path, split in (("env.tasks", env.tasks, "train"),
+                             ("env.eval_tasks", env.eval_tasks, "eval")):
+        if path:
+            rows = read_rows(path, key=key, split=split)
+            if env.kind == "single_turn":
+                check_chat_rows(rows, key, path)
+    if why := env_url_error(env):
+        raise ConfigError(why)
+
+
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     import jax
@@ -84,7 +112,7 @@ def build(cfg: RunConfig):
         # Validate the plan before JAX starts when the device count is known up front.
         cfg.device_plan(cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
-    plan = cfg.device_plan(len(devices))
+    plan = cfg.device_plan(len(devices), devices[0].platform)
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
     # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
@@ -126,6 +154,7 @@ def describe_policy(cfg: RunConfig, params) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         preset = args.config
         if args.resume:
@@ -142,23 +171,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         validate(cfg)
         if args.plan:
+            import os
+
+            from tiderl.platforms import launch_env
+
+            c = cfg.cluster
+            settings = launch_env(c.platform, fake_cpu_devices=c.fake_cpu_devices,
+                                  memory_fraction=c.memory_fraction, environ=os.environ,
+                                  low_memory=cfg.trainer.remat).notes
             devices, plan, _meshes, _graphdef, params = build(cfg)
-            print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")
+            print(f"tiderl: {devices[0].platform} × {len(devices)} ({devices[0].device_kind}); "
+                  f"mode={cfg.controller.mode}")
+            for line in settings:
+                print(f"  {line}")
             print(plan.describe())
             print(describe_policy(cfg, params))
             return 0
-        import asyncio
-
-        from tiderl.job import run_job
-
-        setup_logging()
-        summary = asyncio.run(run_job(cfg, resume=bool(args.resume),
-                                      overrides=tuple(args.overrides)))
+        summary = _run(cfg, args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteStop, RolloutFailedError) as e:
-        print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
+    except _Stopped as e:
+        print(f"tiderl.launch: stopped: {e.__cause__}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("tiderl.launch: interrupted", file=sys.stderr)
@@ -167,24 +201,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def setup_logging() -> None:
-    """tiderl's own messages (info and up) and everyone's warnings go to the console, above the
-    progress line; JAX/orbax info chatter stays quiet."""
-    import logging
+class _Stopped(Exception):
+    """The run stopped itself (non-finite updates, starvation, no rollout rank left); the cause
+    says why."""
 
-    from rich.logging import RichHandler
 
-    root = logging.getLogger()
-    # A library's module-level logging.warning() may have installed a plain stderr handler
-    # (logging.basicConfig's); with it every message would print twice.
-    for h in list(root.handlers):
-        if type(h) is logging.StreamHandler:
-            root.removeHandler(h)
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        handler = RichHandler(show_path=False, log_time_format="[%X]")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    logging.getLogger("tiderl").setLevel(logging.INFO)
+def _run(cfg: RunConfig, args: argparse.Namespace) -> dict:
+    # Imported here: the control plane and JAX load only once the config checked out.
+    import asyncio
+
+    from tiderl.control.controller import NonFiniteStop, StarvedStop
+    from tiderl.job import run_job
+    from tiderl.serving.rollout import RolloutFailedError
+
+    try:
+        return asyncio.run(run_job(cfg, resume=bool(args.resume),
+                                   overrides=tuple(args.overrides)))
+    except (NonFiniteStop, StarvedStop, RolloutFailedError) as e:
+        raise _Stopped from e
 
 
 def print_report(cfg: RunConfig, s: dict) -> None:
@@ -208,14 +242,18 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        *[(f"{label} (last step)", s["last"][key]) for label, key in (
+            ("policy loss", "pg_loss"), ("entropy", "entropy"),
+            ("response tokens", "response_len_mean"), ("turns per episode", "turns_mean"))
+          if key in s.get("last", {})],
     ]
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(t)
     if s.get("ended"):
         print(f"ended: {s['ended']}")
-    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
-          f"python -m tiderl.report {cfg.run_dir})")
+    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, samples/, "
+          f"plots/, report.md; python -m tiderl.report {cfg.run_dir})")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from tiderl.models.attention import resolve_impl, train_attention, training_mask
 from tiderl.models.config import ModelConfig
-from tiderl.models.layers import attend, packed_causal_mask, rms_norm, rope
+from tiderl.models.layers import rms_norm, rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -49,6 +50,12 @@ def _ones(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> 
 
 def _zeros(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def _train_impl(cfg: ModelConfig, seq_len: int) -> str:
+    """The training-path attention kernel for `model.attention_impl` (models/attention.py)."""
+    return resolve_impl(cfg.attention_impl, backend=jax.default_backend(),
+                        compute_dtype=cfg.compute_dtype, head_dim=cfg.head_dim, seq_len=seq_len)
 
 
 class Attention(nnx.Module):
@@ -82,8 +89,8 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
         q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
         k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
-        if cache is None:
-            out = attend(q, k, v, mask_btt)
+        if cache is None:  # mask_btt: what training_mask gave for this kernel
+            out = train_attention(q, k, v, mask_btt, _train_impl(self.cfg, q.shape[1]))
         else:
             out, cache = cache.attend(layer, q, k, v)
         return jnp.einsum("bthk,hkd->btd", out, self.wo_hkd[...].astype(cd)), cache
@@ -163,7 +170,8 @@ class Decoder(nnx.Module):
         """
         cd = DTYPES[self.cfg.compute_dtype]
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(cd)
-        mask_btt = packed_causal_mask(segment_ids_bt) if cache is None else None
+        mask_btt = (training_mask(segment_ids_bt, _train_impl(self.cfg, tokens_bt.shape[1]))
+                    if cache is None else None)
         if remat and cache is None:
             step = nnx.remat(lambda blk, x, pos, mask: blk(x, pos, mask, cache=None, layer=0)[0])
             for block in self.layers:

@@ -67,7 +67,14 @@ from flax import nnx
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
 from tiderl.serving.config import RolloutConfig
-from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
+from tiderl.serving.kv import (
+    KVPools,
+    PagedKV,
+    copy_pages,
+    init_pools,
+    pool_pages,
+    resolve_decode_attention,
+)
 from tiderl.serving.pages import (
     EngineCounters,
     PageAllocator,
@@ -163,9 +170,16 @@ class Engine:
                 "place them with jax.device_put(params, device) (rollout.devices_per_rank=1)")
         self.device = devices.pop()
         on_gpu = self.device.platform == "gpu"
-        self.attention = cfg.attention if cfg.attention != "auto" else (
-            "pallas" if on_gpu else "reference")
+        self.attention = resolve_decode_attention(
+            cfg.attention, platform=self.device.platform, head_dim=model_cfg.head_dim,
+            page_size=cfg.page_size)
         self.interpret = cfg.pallas_interpret or not on_gpu
+        # The pool's size is decided once, here (rollout.kv_memory_fraction: from the free
+        # device memory); self.cfg.num_pages is what this engine holds.
+        self.cfg = cfg = dataclasses.replace(cfg, num_pages=pool_pages(
+            cfg, n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
+            head_dim=model_cfg.head_dim, dtype=DTYPES[model_cfg.compute_dtype],
+            device=self.device))
         self.filtered = cfg.top_k > 0 or cfg.top_p < 1.0
         if self.filtered:
             log.warning("top-k/top-p sampling is on: returned logprobs are full-vocabulary "

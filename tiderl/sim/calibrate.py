@@ -43,6 +43,8 @@ VALIDATION_OVERRIDES = [
     # A heavy-tailed environment (Pareto, scale 20 ms, alpha 1.5, capped at 5 s).
     "env.latency.dist=pareto", "env.latency.scale_s=0.02", "env.latency.alpha=1.5",
     "env.latency.cap_s=5.0",
+    # Seed order, which the JAX-free twin replays without grain's shuffle.
+    "env.shuffle=false",
 ]
 
 

@@ -31,7 +31,6 @@ from tiderl.control.config import ControllerConfig
 from tiderl.control.controller import Controller, Hooks
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.tasks import TaskStream
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import ByteTokenizer
 from tiderl.serving.ctb import CTBConfig, make_scheduler
@@ -41,6 +40,7 @@ from tiderl.sim.clock import CpuMeter, run_virtual
 from tiderl.sim.costs import CostModel, load_profile, model_shape
 from tiderl.sim.engine import SimEngine
 from tiderl.sim.envs import SimAgentEnv
+from tiderl.sim.run import SeedStream
 from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 from tiderl.sim.workloads import Sampler, workload
 
@@ -235,7 +235,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                             max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
                             console=False, checkpoint_every=0, min_ok_per_group=1,
                             time_limit_s=cfg.time_limit_s)
-    train = TaskStream(SimSource(cfg.workloads, "train", groups=1 << 20,
+    train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
                                  group_size=cfg.group_size))
     evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
                       group_size=cfg.group_size)

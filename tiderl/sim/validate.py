@@ -58,7 +58,7 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     from tiderl.control.controller import Controller, Hooks
     from tiderl.control.ers import Roles
     from tiderl.control.metrics import MetricsSink
-    from tiderl.envs.tasks import TaskSource, TaskStream
+    from tiderl.envs.tasks import TaskSource
     from tiderl.envs.templates import template_for
     from tiderl.models.tokenizer import load_tokenizer
     from tiderl.serving.ctb import make_scheduler
@@ -67,6 +67,7 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     from tiderl.sim.engine import DigitActions, SimEngine
     from tiderl.sim.envs import SimSuiteEnv
     from tiderl.sim.host import SharedHost
+    from tiderl.sim.run import SeedStream
     from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 
     r, t, c = cfg.rollout, cfg.trainer, cfg.controller
@@ -107,7 +108,7 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     controller = Controller(
         c, manager=manager, trainer=trainer,
         hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher),
-        train_stream=TaskStream(TaskSource.from_config(cfg.env, "train")),
+        train_stream=SeedStream(TaskSource.from_config(cfg.env, "train")),
         eval_groups=[eval_src.element(k) for k in range(eval_src.groups)], metrics=metrics,
         buffer=ReadinessBuffer(groups_per_microbatch=c.groups_per_microbatch,
                                max_staleness=c.max_staleness, min_ok_per_group=c.min_ok_per_group,

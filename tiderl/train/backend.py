@@ -61,6 +61,8 @@ from tiderl.train.ref_actor import (
     init_train_state,
     make_kernels,
     make_optimizer,
+    make_schedule,
+    schedule_count,
     train_shardings,
 )
 
@@ -122,6 +124,7 @@ class TrainerBackend:
                              f"{'a separate' if ref_mesh is not None else 'no'} Ref mesh; pass "
                              "ref_mesh for decoupled or drop it for colocated")
         self.spec = LossSpec.from_config(cfg)
+        self._schedule = make_schedule(cfg)
         if policy is None:
             policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
         self.graphdef, params = policy
@@ -472,6 +475,8 @@ class TrainerBackend:
         if self._n_mbs == 0:
             raise RuntimeError("finish_step() with no submitted micro-batch; submit at least one")
         t0 = time.perf_counter()
+        # The rate this update is applied with: the schedule at the updates applied so far.
+        lr = float(self._schedule(schedule_count(self.state["opt"])))
         out = self.apply()
         jax.block_until_ready(self.state)
         self._times["apply"] += time.perf_counter() - t0
@@ -486,6 +491,7 @@ class TrainerBackend:
             "stale_frac": float(sums["stale_tokens"]) / n_tok,
             "ratio_mean": float(sums["ratio_sum"]) / n_tok,
             "grad_norm": float(out["grad_norm"]),
+            "lr": lr,
             "skipped": bool(out["skipped"]),
             "action_tokens": self._n_tokens,
             "sequences": self._n_seqs,
