@@ -15,7 +15,7 @@ NO_JAX = [
     "tiderl.sim.costs", "tiderl.sim.engine", "tiderl.sim.trainer", "tiderl.sim.workloads",
     "tiderl.sim.envs", "tiderl.sim.host", "tiderl.sim.clock", "tiderl.sim.cluster",
     "tiderl.sim.fakes", "tiderl.sim.run", "tiderl.sim.experiments", "tiderl.sim.validate",
-    "tiderl.sim.calibrate",
+    "tiderl.sim.calibrate", "tiderl.sim.ers",
     "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",
     "tiderl.envs.health",
     "tiderl.agents", "tiderl.agents.chat", "tiderl.agents.toolcalls", "tiderl.agents.conversation",

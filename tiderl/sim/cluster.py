@@ -40,6 +40,7 @@ from tiderl.sim.clock import CpuMeter, run_virtual
 from tiderl.sim.costs import CostModel, load_profile, model_shape
 from tiderl.sim.engine import SimEngine
 from tiderl.sim.envs import SimAgentEnv
+from tiderl.sim.ers import has_cells, wire
 from tiderl.sim.run import SeedStream
 from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 from tiderl.sim.workloads import Sampler, workload
@@ -91,8 +92,8 @@ class SimConfig:
     time_limit_s: float = 0.0
     charge_cpu: bool = False
     planner: str = ""
-    """The scaling planner the controller consults after each update, as `module:Class`
-    (a `tiderl.control.ers.Planner`); '' keeps the split (`KeepSplit`)."""
+    """The scaling planner the controller consults after each update: 'ers' (the production
+    ERS planner), `module:Class` (any `tiderl.control.ers` planner), '' keeps the split."""
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -166,20 +167,6 @@ class SimRun:
         return [r for r in self.records if r.get("kind") == "step"]
 
 
-def make_planner(spec: str) -> Any:
-    """The production planner named `module:Class` (None: the controller's default)."""
-    if not spec:
-        return None
-    import importlib
-
-    mod, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), name)()
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"sim planner {spec!r} cannot be loaded ({e}); give module:Class of "
-                          "a tiderl.control.ers planner") from e
-
-
 def build_costs(cfg: SimConfig) -> CostModel:
     return CostModel(load_profile(cfg.profile), model_shape(cfg.model))
 
@@ -194,21 +181,37 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     tmpl = template_for(_Bytes(), "byte")
     kv = cfg.kv_tokens or costs.kv_capacity_tokens(cfg.gpus_per_rank)
     num_pages = kv // cfg.page_size
-    engines = [SimEngine(seed=cfg.seed, max_action_tokens=max_context, max_context=max_context,
+    def make_engine() -> SimEngine:
+        return SimEngine(seed=cfg.seed, max_action_tokens=max_context, max_context=max_context,
                          stop_tokens=tuple(sorted(tmpl.stop_ids)), costs=costs,
                          num_pages=num_pages, page_size=cfg.page_size,
                          max_slots=cfg.max_slots, actions=sampler, gpus=cfg.gpus_per_rank)
-               for _ in range(cfg.ranks)]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(cfg.prefill_batch, cfg.max_slots))
-             for i, e in enumerate(engines)]
-    for r in ranks:
-        await r.start()
+
+    made: list[RolloutRank] = []
+
+    async def new_rank(rank_id: int, weights: Any = None, version: int = 0) -> RolloutRank:
+        eng = make_engine()
+        if version:
+            eng.update_weights(weights, version=version)
+        rank = RolloutRank(rank_id, eng, max_prefills_per_step=min(cfg.prefill_batch,
+                                                                   cfg.max_slots))
+        await rank.start()
+        made.append(rank)
+        return rank
+
+    # With ERS every cell has a rank slot (slot = cell id); cells outside rollout start dead.
+    elastic = cfg.mode != "sync" and has_cells()
+    n_slots = cfg.gpus // cfg.gpus_per_rank if elastic else cfg.ranks
+    ranks: list[RolloutRank | None] = [await new_rank(i) for i in range(cfg.ranks)]
+    ranks += [None] * (n_slots - cfg.ranks)
     kind = cfg.scheduler or ("ctb" if cfg.mode == "tiderl" else "vanilla")
     conc = cfg.vanilla_concurrency or 1024 * cfg.ranks
     ctb = CTBConfig(env_concurrency=cfg.env_concurrency, vanilla_concurrency=conc,
                     w_group=max(32.0, 4.0 * cfg.group_size))
-    sched = make_scheduler(kind, ctb, [num_pages * cfg.page_size] * cfg.ranks,
+    sched = make_scheduler(kind, ctb, [num_pages * cfg.page_size] * n_slots,
                            max_context=max_context, max_tasks_per_rank=cfg.max_slots)
+    for i in range(cfg.ranks, n_slots):
+        sched.remove_rank(i)
     ctb.check_group_size(cfg.group_size)
     colocated = cfg.mode in ("sync", "async", "stream") or not cfg.ref_gpus
     actor_gpus = cfg.trainer_gpus - (0 if colocated else cfg.ref_gpus)
@@ -226,10 +229,22 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
 
     async def sync_weights(weights: Any, version: int) -> None:
         await asyncio.sleep(costs.weight_sync(cross_node=cross, gpus_per_rank=cfg.gpus_per_rank))
-        await asyncio.gather(*(r.update_weights(weights, version) for r in ranks))
+        await asyncio.gather(*(r.update_weights(weights, version) for r in manager.ranks
+                               if r is not None))
 
     order = "colocated" if colocated else "decoupled"
     batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu, order=order)
+    if cfg.mode == "sync":  # every GPU alternates: no split to keep or change
+        layout, apply_roles = ({} if has_cells() else
+                               {"roles": Roles(cfg.ranks, actor_gpus, 0)}), None
+    else:
+        layout, apply_roles = wire(
+            planner=cfg.planner, n_cells=cfg.gpus // cfg.gpus_per_rank, rollout_cells=cfg.ranks,
+            ref_cells=0 if colocated else cfg.ref_gpus // cfg.gpus_per_rank,
+            gpus_per_cell=cfg.gpus_per_rank, actor_gpus=actor_gpus,
+            ref_gpus=0 if colocated else cfg.ref_gpus, trainer=trainer, batcher=batcher,
+            new_rank=new_rank,
+            join_cost_s=costs.weight_sync(cross_node=False, gpus_per_rank=cfg.gpus_per_rank))
     ccfg = ControllerConfig(mode=cfg.mode, steps=cfg.steps, groups_per_step=cfg.groups_per_step,
                             groups_per_microbatch=cfg.groups_per_microbatch,
                             max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
@@ -252,24 +267,24 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     metrics.log = stamped  # type: ignore[method-assign]  # instance-level wrapper
     controller = Controller(
         ccfg, manager=manager, trainer=trainer,
-        hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher),
+        hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher,
+                    **({"apply_roles": apply_roles} if apply_roles else {})),
         train_stream=train,
         eval_groups=[evals.element(k) for k in range(cfg.eval_groups)] if cfg.eval_every else [],
         metrics=metrics,
         buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                max_staleness=cfg.max_staleness, min_ok_per_group=1,
                                zero_var="keep"),
-        roles=Roles(cfg.ranks, actor_gpus, 0 if colocated else cfg.ref_gpus),
-        planner=make_planner(cfg.planner))
+        **layout)
     try:
         summary = await controller.run()
     finally:
         trainer.close()
-        for r in ranks:
+        for r in made:
             await r.close()
     summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
     return {"summary": summary, "records": list(metrics.records), "controller": controller,
-            "trainer": trainer, "ranks": ranks, "env": env}
+            "trainer": trainer, "ranks": made, "env": env}
 
 
 def simulate_job(cfg: SimConfig, *, run_dir: str | None = None) -> SimRun:

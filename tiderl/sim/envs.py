@@ -97,7 +97,7 @@ class SimSuiteEnv:
         from tiderl.envs.suites import adapter_class
 
         self.cfg, self.overhead_s, self.host = cfg, overhead_s, host
-        self._make = adapter_class(cfg.suite)
+        self._make = adapter_class(cfg.suite_name)
         self._options = cfg.option_dict()
         self._latency = LatencyModel(cfg.latency)
         self.trace = trace or {}

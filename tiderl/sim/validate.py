@@ -225,7 +225,7 @@ def run_real(cfg: Any) -> dict[str, Any]:
     from tiderl.control.metrics import read_metrics
     from tiderl.job import run_job
 
-    if cfg.env.suite != "default":
+    if cfg.env.suite_name != "default" or cfg.env.kind != "env":
         raise ValueError(f"validation records the default task's actions; env.suite="
                          f"{cfg.env.suite!r} is not supported here")
     t0 = time.perf_counter()
