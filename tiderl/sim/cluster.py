@@ -29,7 +29,6 @@ from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.config import ControllerConfig
 from tiderl.control.controller import Controller, Hooks
-from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import ByteTokenizer
@@ -234,9 +233,12 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
 
     order = "colocated" if colocated else "decoupled"
     batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu, order=order)
-    if cfg.mode == "sync":  # every GPU alternates: no split to keep or change
-        layout, apply_roles = ({} if has_cells() else
-                               {"roles": Roles(cfg.ranks, actor_gpus, 0)}), None
+    if cfg.mode == "sync" and has_cells():  # every GPU alternates: no split to change
+        layout, apply_roles = {}, None
+    elif cfg.mode == "sync":
+        from tiderl.control.ers import Roles
+
+        layout, apply_roles = {"roles": Roles(cfg.ranks, actor_gpus, 0)}, None
     else:
         layout, apply_roles = wire(
             planner=cfg.planner, n_cells=cfg.gpus // cfg.gpus_per_rank, rollout_cells=cfg.ranks,

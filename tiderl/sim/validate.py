@@ -56,7 +56,6 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
                     host: Any = None) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.control.controller import Controller, Hooks
-    from tiderl.control.ers import Roles
     from tiderl.control.metrics import MetricsSink
     from tiderl.envs.tasks import TaskSource
     from tiderl.envs.templates import template_for
@@ -66,6 +65,7 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     from tiderl.serving.rollout import RolloutManager
     from tiderl.sim.engine import DigitActions, SimEngine
     from tiderl.sim.envs import SimSuiteEnv
+    from tiderl.sim.ers import wire
     from tiderl.sim.host import SharedHost
     from tiderl.sim.run import SeedStream
     from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
@@ -105,6 +105,10 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     manager = RolloutManager(ranks, sched, env, template, max_turns=cfg.env.max_turns,
                              eval_temperature=c.eval_temperature)
     metrics = MetricsSink(run_dir, console=False)
+    layout, _ = wire(planner="", n_cells=len(ranks) + len(plan.actor) + len(plan.ref),
+                     rollout_cells=len(ranks), ref_cells=len(plan.ref), gpus_per_cell=1,
+                     actor_gpus=len(plan.actor), ref_gpus=len(plan.ref), trainer=trainer,
+                     batcher=batcher, new_rank=None, join_cost_s=0.0)  # the split stays
     controller = Controller(
         c, manager=manager, trainer=trainer,
         hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher),
@@ -113,7 +117,7 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
         buffer=ReadinessBuffer(groups_per_microbatch=c.groups_per_microbatch,
                                max_staleness=c.max_staleness, min_ok_per_group=c.min_ok_per_group,
                                zero_var=t.zero_var_groups, adv_eps=t.adv_eps),
-        roles=Roles(len(ranks), len(plan.actor), len(plan.ref)))
+        **layout)
     try:
         summary = await controller.run()
     finally:
