@@ -210,7 +210,8 @@ def test_the_simulator_runs_the_production_control_plane(small_runs):
         c = run.controller
         assert type(c) is Controller and type(c.manager) is RolloutManager
         assert type(c.buffer) is ReadinessBuffer and type(c.planner) is KeepSplit
-        assert all(type(r) is RolloutRank for r in c.manager.ranks)
+        live = [r for r in c.manager.ranks if r is not None]  # ERS: cells outside rollout
+        assert live and all(type(r) is RolloutRank for r in live)
         assert type(c.manager.sched) is (CTBScheduler if mode == "tiderl" else VanillaScheduler)
         steps = run.steps
         assert len(steps) == 2 and run.trainer.version == 2
@@ -220,6 +221,32 @@ def test_the_simulator_runs_the_production_control_plane(small_runs):
         assert any(r["kind"] == "eval" for r in run.records)
     sync = small_runs["sync"].steps
     assert all(a["t_train_end"] <= b["t_rollout_start"] for a, b in zip(sync, sync[1:], strict=False))
+
+
+def test_ers_runs_through_the_one_hook_or_is_refused_clearly():
+    """With the production ERS planner in the build, a simulated job runs it: cells move
+    through the controller's role-change path, the SimTrainer's width follows the cell map and
+    no step is lost. Without it, asking for ERS is a clear error and fixed splits still run."""
+    from tiderl.configlib import ConfigError
+    from tiderl.sim.cluster import SimConfig, simulate_job
+    from tiderl.sim.ers import has_cells
+
+    cfg = SimConfig(mode="tiderl", planner="ers", **{**SMALL, "steps": 3, "eval_every": 0})
+    if not has_cells():
+        with pytest.raises(ConfigError, match="ERSPlanner"):
+            simulate_job(cfg)
+        return
+    from tiderl.control.ers import ERSPlanner
+
+    run = simulate_job(cfg)
+    c = run.controller
+    assert type(c.planner) is ERSPlanner and len(run.steps) == 3
+    changes = [r for r in run.records if r.get("kind") == "role_change"]
+    assert changes and changes[0]["reason"].startswith("cold start")
+    cells = c.roles.cells
+    assert run.trainer.actor_gpus == cells.count("trainer")
+    live = [i for i, r in enumerate(c.manager.ranks) if r is not None]
+    assert live == list(cells.cells("rollout"))
 
 
 def test_the_simulator_imports_no_jax(tmp_path):

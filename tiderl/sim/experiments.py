@@ -11,10 +11,10 @@ JSONL) under `--out` (default `sim-results/NAME`), and ends with one JSON line.
     fig15   total RWT+TWT, ERS vs fixed ratios, 100 WebShop steps, one 8-GPU node
     ctb     one step of 1,312 WebShop tasks on one GPU: CTB vs fixed concurrency 1024 and 512
 
-ERS (the planner that moves ranks between roles) is not part of this build yet: `fig15` and
-table2's +ERS row report it as pending and run everything else; they take a planner with the
-interface `Planner.plan(readiness, roles) -> ScalingPlan` (tiderl.control.ers) through
-`SimConfig`-built jobs once one exists.
+ERS: where the build has the production ERS planner (`tiderl.sim.ers.has_cells()`), `fig8`'s
+tiderl, `fig15`'s ERS run and table2's +ERS and +CTB rows run it (`--planner ers`, the
+default then); without it those report ERS as pending and `fig8`'s tiderl is CTB + RA2P on a
+fixed split. `--planner module:Class` plugs in any other planner.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.sim.cluster import MODES, SimConfig, build_costs, ratio, simulate_job
+from tiderl.sim.ers import ERS, has_cells
 from tiderl.sim.trainer import SimMicroBatch, SimTrainer
 
 RATIOS = (0.125, 0.25, 0.5)
@@ -189,12 +190,14 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
     table(rows, ("split", "RWT s", "TWT s", "RWT+TWT s"))
     _say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
          "(goal here: ERS ≤ 0.32× the best fixed ratio)")
-    _say("ours: ERS is not in this build (no planner yet); the fixed-ratio runs above are "
-         "the baselines it will be compared with")
+    if ers is None:
+        _say("ours: ERS is not in this build (no planner yet); the fixed-ratio runs above are "
+             "the baselines it will be compared with")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar([f"{q}" for q in waits], list(waits.values()))
-    ax.set_xlabel("fixed rollout ratio")
+    bars = {**{f"{q}": w for q, w in waits.items()}, **({"ERS": ers} if ers is not None else {})}
+    ax.bar(list(bars), list(bars.values()))
+    ax.set_xlabel("fixed rollout ratio / ERS")
     ax.set_ylabel("RWT + TWT (s)")
     fig.tight_layout()
     fig.savefig(args.out / "fig15.png", dpi=120)
@@ -232,7 +235,7 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         # tiderl starts from the ratio the sweep found best for async (the paper's rule).
         q_t = ratios["async"]
         runs.update(run_all({f"tiderl ratio {q_t}": dataclasses.replace(
-            base, mode="tiderl", rollout_ratio=q_t)}))
+            base, mode="tiderl", rollout_ratio=q_t, planner=args.planner)}))
         good["tiderl"], ratios["tiderl"] = runs[f"tiderl ratio {q_t}"].summary.get(
             "goodput", math.nan), q_t
         all_runs.update({f"{model}/{k}": v for k, v in runs.items()})
@@ -252,7 +255,8 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
     fig.savefig(args.out / "fig8.png", dpi=120)
     _say("\nFigure 8 (32×H100, WebShop+ALFWorld, eval every 20 steps): goodput")
     table(rows, ("model", "mode", "ratio", "goodput tok/s", "tiderl / mode", "paper"))
-    _say("tiderl here is CTB + RA2P on a fixed split: ERS is not in this build yet")
+    _say("tiderl here is CTB + RA2P + ERS (the production planner)" if args.planner else
+         "tiderl here is CTB + RA2P on a fixed split: ERS is not in this build")
     _save(args.out, "fig8", all_runs)
     return out
 
@@ -261,17 +265,23 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
 def table2(args: argparse.Namespace) -> dict[str, Any]:
     base = SimConfig(model="qwen3-4b", gpus=32, workloads=("osworld",), steps=args.steps,
                      eval_every=20, seed=args.seed, groups_per_step=args.groups)
-    runs = run_all({
-        "baseline (stream)": dataclasses.replace(base, mode="stream"),
-        "+RA2P": dataclasses.replace(base, mode="tiderl", scheduler="vanilla"),
-        "+CTB (no ERS)": dataclasses.replace(base, mode="tiderl"),
-    }, args.jobs)
+    cfgs = {"baseline (stream)": dataclasses.replace(base, mode="stream"),
+            "+RA2P": dataclasses.replace(base, mode="tiderl", scheduler="vanilla")}
+    if args.planner:  # the paper's order: +ERS on +RA2P, then +CTB on top of both
+        cfgs["+ERS"] = dataclasses.replace(base, mode="tiderl", scheduler="vanilla",
+                                           planner=args.planner)
+        cfgs["+CTB"] = dataclasses.replace(base, mode="tiderl", planner=args.planner)
+    else:
+        cfgs["+CTB (no ERS)"] = dataclasses.replace(base, mode="tiderl")
+    runs = run_all(cfgs, args.jobs)
     g = {k: r.summary.get("goodput", math.nan) for k, r in runs.items()}
     paper = {"baseline (stream)": (20.2, "–"), "+RA2P": (23.1, "+10.4% (14.4%)"),
-             "+ERS": (31.8, "+35.7% (37.7%)"), "+CTB (no ERS)": (33.3, "+4.8%")}
+             "+ERS": (31.8, "+35.7% (37.7%)"), "+CTB": (33.3, "+4.8%"),
+             "+CTB (no ERS)": (33.3, "+4.8%")}
+    ctb_row = "+CTB" if args.planner else "+CTB (no ERS)"
     rows = []
     prev = None
-    for name in ("baseline (stream)", "+RA2P", "+ERS", "+CTB (no ERS)"):
+    for name in ("baseline (stream)", "+RA2P", "+ERS", ctb_row):
         v = g.get(name)
         if v is None:
             rows.append((name, "pending", "pending", paper[name][0], paper[name][1]))
@@ -282,8 +292,8 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
     _say(f"\nTable 2 (OSWorld-like, Qwen3-VL-4B decoder, 32×H100, {args.steps} steps)")
     table(rows, ("method", "goodput k tok/s", "step gain", "paper k tok/s", "paper gain"))
     _say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
-         "+37.7%); we compare against the values. +ERS is pending (no planner yet), so +CTB "
-         "is measured on top of +RA2P.")
+         "+37.7%); we compare against the values." + ("" if args.planner else
+         " +ERS is pending (no planner in this build), so +CTB is measured on top of +RA2P."))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(list(g), [v / 1e3 for v in g.values()])
@@ -292,7 +302,7 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
     fig.savefig(args.out / "table2.png", dpi=120)
     _save(args.out, "table2", runs)
     return {"goodput_baseline": g["baseline (stream)"], "goodput_ra2p": g["+RA2P"],
-            "goodput_ers": None, "goodput_ctb": g["+CTB (no ERS)"]}
+            "goodput_ers": g.get("+ERS"), "goodput_ctb": g[ctb_row]}
 
 
 # -- fig14 -----------------------------------------------------------------------------------
@@ -413,7 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="fig8: fixed-ratio baselines at 0.25 only (the paper's best)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--planner", default="", help="ERS planner as module:Class (fig15, table2)")
+    p.add_argument("--planner", default=ERS if has_cells() else "",
+                   help="'ers' (the production planner; the default where the build has it), "
+                        "module:Class, or '' for fixed splits (fig8's tiderl, fig15, table2)")
     p.add_argument("--jobs", type=int, default=1, help="simulate independent runs in parallel")
     p.add_argument("--out", default="")
     p.add_argument("--quick", action="store_true", help="10 steps, no sweep (a smoke run)")

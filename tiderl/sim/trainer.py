@@ -97,6 +97,7 @@ class SimTrainer:
         self.where = {"actor": "device", "ref": "device"}
         self._last_role: str | None = None
         self._ref_free = 0.0
+        self._last_mb: SimMicroBatch | None = None
         self._reset_step()
         if colocated_rollout:
             self.where = {"actor": "host", "ref": "host"}
@@ -112,6 +113,7 @@ class SimTrainer:
 
     # -- the port ------------------------------------------------------------------------------
     def submit(self, mb: SimMicroBatch) -> None:
+        self._last_mb = mb
         loop = asyncio.get_running_loop()
         if self._worker is None:
             self._wake = asyncio.Event()
@@ -153,6 +155,29 @@ class SimTrainer:
         dt = self.costs.role_change()
         await asyncio.sleep(dt)
         return dt
+
+    def cost_model(self, m_actor: int) -> Any:
+        """RA2P's cost model (`tiderl.train.ra2p.CostModel`) for an Actor of `m_actor` devices,
+        priced on the last micro-batch seen — what the real trainer measures per phase; the
+        controller takes the break-even RAS and the mode advice from it (ERS)."""
+        from tiderl.train import ra2p
+
+        lens = [s for rank in (self._last_mb.ranks if self._last_mb else ()) for s in rank]
+        if not lens:
+            lens = [1]
+        m = max(1, m_actor)
+        ranks, _ = lpt_assign(lens, m)
+        per_rank = [[lens[i] for i in r] for r in ranks]
+        c, rl = self.costs, self.row_len
+        t_swap = c.swap("ref", m) if self.offload else c.context_switch()
+        costs = ra2p.PhaseCosts(t_ref=c.ref_forward(per_rank, row_len=rl) if self.uses_ref else 0.0,
+                           t_act_f=c.actor_forward(per_rank, row_len=rl),
+                           t_act_b=c.actor_backward(per_rank, row_len=rl), t_swap=t_swap,
+                           m_actor=m)
+        return ra2p.CostModel(costs, max_aggregate=self.max_aggregate if self.aggregate else 1)
+
+    def advise_mode(self, ready_times: Sequence[float], m_actor: int) -> Any:
+        return self.cost_model(m_actor).advise(ready_times)
 
     def close(self) -> None:
         if self._worker is not None:
