@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -232,16 +233,20 @@ def run_real(cfg: Any) -> dict[str, Any]:
     if cfg.env.suite_name != "default" or cfg.env.kind != "env":
         raise ValueError(f"validation records the default task's actions; env.suite="
                          f"{cfg.env.suite!r} is not supported here")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with _ActionRecorder() as trace:
         summary = asyncio.run(run_job(cfg))
+    # The machine may be shared: the CPU this run got and the load beside it say how far the
+    # simulator's host model (calibrated effective cores) applies to it.
     return {"summary": summary, "records": read_metrics(cfg.run_dir),
-            "real_s": time.perf_counter() - t0, "trace": dict(trace)}
+            "real_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "loadavg": os.getloadavg()[0], "trace": dict(trace)}
 
 
 def save_real(r: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps({"summary": r["summary"], "records": r["records"],
-                                "real_s": r["real_s"],
+                                "real_s": r["real_s"], "cpu_s": r.get("cpu_s"),
+                                "loadavg": r.get("loadavg"),
                                 "trace": [[t, k, a] for (t, k), a in r["trace"].items()]},
                                default=str))
 
@@ -389,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sim[mode].append(s)
                 print(f"seed {seed} {mode:7s} real goodput {r['summary']['goodput']:7.2f} "
                       f"({r['real_s']:5.1f} s)  sim {s['summary']['goodput']:7.2f} "
-                      f"({s['cpu_s']:4.1f} s cpu)", flush=True)
+                      f"({s['cpu_s']:4.1f} s cpu); real run got {r.get('cpu_s') or 0:5.1f} s "
+                      f"cpu, load average {r.get('loadavg') or 0:4.1f}", flush=True)
     res = compare(real, sim)
     print_table(res)
     if args.out:
