@@ -263,7 +263,9 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- table2 ----------------------------------------------------------------------------------
 def table2(args: argparse.Namespace) -> dict[str, Any]:
+    # OSWorld-like contexts reach 16k+ tokens: a micro-batch budget that holds one.
     base = SimConfig(model="qwen3-4b", gpus=32, workloads=("osworld",), steps=args.steps,
+                     tokens_per_gpu=32768,
                      eval_every=20, seed=args.seed, groups_per_step=args.groups)
     cfgs = {"baseline (stream)": dataclasses.replace(base, mode="stream"),
             "+RA2P": dataclasses.replace(base, mode="tiderl", scheduler="vanilla")}
