@@ -69,7 +69,7 @@ def test_run_stops_with_a_clear_error_when_every_rollout_rank_fails(tmp_path):
     from tiderl.sim.run import simulate
 
     class Broken(SimEngine):
-        def prefill(self, *a, **k):
+        def prefill_many(self, *a, **k):
             raise RuntimeError("injected device failure")
 
     cfg = ControllerConfig(steps=2, groups_per_step=2, eval_every=0, console=False,

@@ -13,6 +13,12 @@ task's `Prefix`, host data only, moves to another rank that re-prefills it), and
 When the engine runs out of pages or slots, the rank evicts the least recently used idle task
 (waiting on its environment or paused) and retries: that is all the baseline policy does, and
 CTB's budgets make it rare.
+
+A simulated engine (host data only, `tiderl.sim`) says so by having `take_cost_s()`: the device
+seconds its calls since the last read would have taken. The rank then calls it on the loop
+thread (a worker thread would cost real time, which a virtual-time loop cannot skip) and sleeps
+that long on the loop's clock before delivering the step's results, exactly where a real step's
+results arrive when its device work ends.
 """
 
 from __future__ import annotations
@@ -140,6 +146,8 @@ class RolloutRank:
             max_workers=1, thread_name_prefix=f"rank{rank_id}")
         self._state: Any = None
         self._snap: dict[int, _Task] = {}
+        self._take_cost = getattr(engine, "take_cost_s", None)
+        """A simulated engine's cost report (see the module docstring); None for a real one."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -147,7 +155,11 @@ class RolloutRank:
         the rank quarantined from the start (its turns raise RankFailedError), not the job."""
         loop = asyncio.get_running_loop()
         try:
-            self._state = await loop.run_in_executor(self._pool, self.engine.init_decode_state)
+            if self._take_cost is not None:
+                self._state = self.engine.init_decode_state()
+            else:
+                self._state = await loop.run_in_executor(self._pool,
+                                                         self.engine.init_decode_state)
         except Exception as e:  # a device failure: the other ranks carry on
             log.exception("rank %d failed to start", self.rank_id)
             self.failed = e
@@ -319,14 +331,19 @@ class RolloutRank:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                # Busy time on the loop's clock, the one the scheduler reads (virtual time in
-                # the simulator, where an engine call is charged on the loop).
-                t0 = loop.time()
-                # The worker sees a snapshot: the loop thread adds and removes tasks while a
-                # step runs, and only the loop thread mutates `self.tasks`.
-                finished, replies = await loop.run_in_executor(
-                    self._pool, self._device_step, ops, ready, dict(self.tasks))
-                self.stats.busy_s += loop.time() - t0
+                if self._take_cost is not None:  # simulated: its device time on the loop clock
+                    finished, replies = self._device_step(ops, ready, dict(self.tasks))
+                    cost = float(self._take_cost())
+                    self.stats.busy_s += cost
+                    await asyncio.sleep(cost)
+                else:
+                    # Busy time on the loop's clock, the one the scheduler reads.
+                    t0 = loop.time()
+                    # The worker sees a snapshot: the loop thread adds and removes tasks while
+                    # a step runs, and only the loop thread mutates `self.tasks`.
+                    finished, replies = await loop.run_in_executor(
+                        self._pool, self._device_step, ops, ready, dict(self.tasks))
+                    self.stats.busy_s += loop.time() - t0
                 for fut, value in replies:
                     if not fut.done():
                         fut.set_result(value)

@@ -1,0 +1,361 @@
+"""The cluster-scale simulator: cost models, workloads, the simulated engine and trainer, and
+the production control plane on virtual time (no JAX)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tiderl.sim.costs import CostModel, OpCost, load_profile, model_shape, profile_from_dict
+from tiderl.sim.workloads import Sampler, workload
+
+
+@pytest.fixture(scope="module")
+def h100_7b():
+    return CostModel(load_profile("h100"), model_shape("qwen2.5-7b"))
+
+
+# -- cost models -----------------------------------------------------------------------------
+def test_model_shapes_match_the_published_parameter_counts():
+    # Qwen2.5 model cards: 7.61B and 14.7B parameters.
+    assert model_shape("qwen2.5-7b").params == pytest.approx(7.61e9, rel=0.01)
+    assert model_shape("qwen2.5-14b").params == pytest.approx(14.7e9, rel=0.01)
+    # GQA: 28 layers × 4 KV heads × 128 × (K and V) × 2 bytes.
+    assert model_shape("qwen2.5-7b").kv_bytes_per_token == 28 * 4 * 128 * 2 * 2
+
+
+def test_op_cost_is_c0_plus_the_slowest_component():
+    op = OpCost(0.5, (("flops", 10.0), ("hbm", 2.0)))
+    assert op(flops=100.0, hbm=4.0) == pytest.approx(0.5 + 10.0)
+    assert op(flops=10.0, hbm=40.0) == pytest.approx(0.5 + 20.0)
+    assert op() == 0.5
+
+
+def test_h100_roofline_regimes(h100_7b):
+    m, dev = h100_7b.model, h100_7b.profile.device
+    # Batch-1 decode is bandwidth-bound: the weights once per token.
+    t1 = h100_7b.decode(batch=1, context_sum=1000)
+    assert t1 == pytest.approx(0.002 + (m.weight_bytes + 1000 * m.kv_bytes_per_token)
+                               / (dev.hbm_bw * 0.75), rel=1e-6)
+    # A long prefill is compute-bound at 60% of 989 TFLOPS.
+    tp = h100_7b.prefill([(0, 8192)])
+    flops = m.forward_flops(8192, 8192 * 8193 / 2)
+    assert tp == pytest.approx(0.003 + flops / (dev.flops * 0.6), rel=1e-6)
+    # Chunked: a 20k-token append is three rounds of at most 8,192.
+    assert len(h100_7b.prefill_work([(0, 20000)])) == 3
+    # Decoding 256 rows costs far less than 256 single rows (weights are read once).
+    assert h100_7b.decode(batch=256, context_sum=256 * 2000) < 0.2 * 256 * t1
+    # KV pool of one H100 for the 7B model: (0.9 × 80 GB − 4 GB − weights) / 56 KiB per token.
+    assert h100_7b.kv_capacity_tokens() == pytest.approx(
+        (72e9 - 4e9 - m.weight_bytes) / m.kv_bytes_per_token, rel=1e-6)
+    # Training: a micro-batch's cost is its busiest rank's; backward is twice forward.
+    f = h100_7b.actor_forward([[4096], [1024]])
+    assert f == pytest.approx(h100_7b.actor_forward([[4096], [4096]]), rel=1e-3)
+    b = h100_7b.actor_backward([[4096]])
+    assert b == pytest.approx(2 * f - 0.01, rel=0.05)
+    # A trainer group spanning nodes pays the cross-node bandwidth for its collectives.
+    assert h100_7b.link_bytes(1e9, 16) == pytest.approx(1e9 * 450 / 45)
+    assert h100_7b.weight_sync(cross_node=True) > h100_7b.weight_sync(cross_node=False)
+
+
+def test_profiles_reject_bad_input():
+    from tiderl.configlib import ConfigError
+
+    with pytest.raises(ConfigError, match="kind"):
+        profile_from_dict({"kind": "guess"})
+    with pytest.raises(ConfigError, match="engine.pading"):
+        profile_from_dict({"kind": "fitted", "engine": {"pading": True}})
+    with pytest.raises(ConfigError, match="not found"):
+        load_profile("a100-imaginary")
+    with pytest.raises(ConfigError, match="no cost for operation"):
+        profile_from_dict({"kind": "fitted", "ops": {}}).op("prefill")
+    # YAML 1.1 reads 4.0e9 as a string; the loader takes it as the number it means.
+    p = profile_from_dict({"kind": "fitted", "engine": {"activation_bytes": "4.0e9"},
+                           "ops": {"decode": {"c0": "1e-3", "flops": "2.0e9"}}})
+    assert p.engine.activation_bytes == 4e9 and p.op("decode")(flops=2e9) == pytest.approx(1.001)
+
+
+# -- workloads -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["webshop", "alfworld", "osworld"])
+def test_workloads_reproduce_table_4_and_drift(name):
+    w = workload(name)
+    s = Sampler({name: w}, seed=1)
+    for step, k in ((0, 0), (w.drift_steps, 1)):
+        plans = [s.plan(name, f"t{step}/{i}", step) for i in range(500)]
+        rounds = sum(p.rounds for p in plans) / len(plans)
+        ctx = sum(w.prompt_tokens + p.rounds * w.action_tokens + sum(p.obs_tokens)
+                  for p in plans) / len(plans)
+        assert rounds == pytest.approx(w.rounds[k], rel=0.08)
+        assert ctx == pytest.approx(w.tokens[k], rel=0.1)
+        assert max(p.rounds for p in plans) <= w.max_turns
+        lat = [x for p in plans for x in p.latency_s]
+        assert max(lat) <= w.latency_cap_s and max(lat) > 5 * w.latency_median_s  # heavy tail
+    # A task's plan is a pure function of (seed, task id, step).
+    assert s.plan(name, "x", 3) == s.plan(name, "x", 3)
+    assert Sampler({name: w}, seed=2).plan(name, "x", 3) != s.plan(name, "x", 3)
+
+
+# -- the simulated engine --------------------------------------------------------------------
+def _engine(**kw):
+    from tiderl.sim.engine import SimEngine
+
+    s = Sampler({"webshop": workload("webshop")})
+    s.plan("webshop", "task", 0)
+    kw = {"num_pages": 64, "page_size": 16, "max_slots": 4, "actions": s,
+          "max_action_tokens": 512, "max_context": 2048, "stop_tokens": (260,), **kw}
+    return SimEngine(**kw)
+
+
+def test_sim_engine_tracks_residency_and_charges_costs(h100_7b):
+    from tiderl.serving.pages import PoolExhaustedError, PrefillRequest, StopReason
+    from tiderl.serving.rollout import numeric_id
+
+    e = _engine(costs=h100_7b, decode_steps_per_call=8)
+    tid = numeric_id("task")
+    (p,) = e.prefill_many(None, [PrefillRequest(None, [1] * 100, 100, task_id=tid)])
+    assert (p.prefill_cached, p.prefill_computed) == (0, 100) and e.take_cost_s() > 0
+    assert e.take_cost_s() == 0.0  # read once
+    e.insert(p, {})
+    steps = 0
+    while not p.done:
+        e.generate(None, {})
+        steps += 1
+    n = len(p.action_tokens)
+    assert p.stop_reason == StopReason.STOP_TOKEN and p.action_tokens[-1] == 260
+    assert steps == math.ceil((n - 1) / 8) and e.counters.decode_tokens == n - 1
+    assert e.actions.length(tid, p.action_start) == n  # the planned length, exactly
+    # Next turn: only the new observation (and the last sampled token) is computed.
+    e.prefill_many(None, [PrefillRequest(p, [2] * 30, 30)])
+    assert p.prefill_cached == 100 + n - 1 and p.prefill_computed == 31
+    # A weight sync flushes stale KV: the next prefill recomputes everything.
+    e.update_weights(None, version=1)
+    e.prefill_many(None, [PrefillRequest(p, [3] * 10, 10)])
+    assert p.prefill_cached == 0 and e.counters.recomputed_version > 0
+    # All-or-nothing on pages: a request that does not fit changes nothing.
+    free = e.pages_free
+    with pytest.raises(PoolExhaustedError):
+        e.prefill_many(None, [PrefillRequest(None, [1] * 2000, 2000, task_id=5)])
+    assert e.pages_free == free and len(e.slots) == 1
+    e.evict(p)
+    assert e.pages_free == 64 and p.kv_length == 0 and p.drop_reason == "evicted"
+
+
+# -- the simulated trainer against the production RA2P cost model ----------------------------
+def _ready_step(trainer, mbs):
+    from tiderl.sim.clock import run_virtual
+
+    async def go():
+        for mb in mbs:
+            trainer.submit(mb)
+        m = await trainer.finish_step_async()
+        trainer.close()
+        return m
+
+    return run_virtual(go())
+
+
+def test_sim_trainer_matches_the_ra2p_cost_model(h100_7b):
+    """Micro-batches ready at the step start: the executor's step time is Appendix A's C_col
+    (colocated aggregation) and C_dec (decoupled), plus the update."""
+    from tiderl.sim.trainer import SimMicroBatch, SimTrainer
+    from tiderl.train import ra2p
+
+    c = h100_7b
+    mb = SimMicroBatch(ranks=((4096,), (4096,)), n_action_tokens=100, n_seqs=2)
+    t_ref, t_f, t_b = c.ref_forward(mb.ranks), c.actor_forward(mb.ranks), c.actor_backward(
+        mb.ranks)
+    apply = c.apply(2)
+    col = _ready_step(SimTrainer(c, actor_gpus=2, offload=True), [mb] * 6)
+    swap = c.swap("actor", 2) + c.swap("ref", 2)  # a phase change moves both models
+    want, _ = ra2p.c_col([0.0] * 6, ra2p.PhaseCosts(t_ref, t_f, t_b, swap))
+    # C_col counts a swap before the Ref phase too; at the step start the Ref is resident.
+    assert col["step_time"] == pytest.approx(want - c.swap("ref", 2) + apply, abs=1e-4)
+    assert (col["alternations"], col["swaps"], col["action_tokens"]) == (2, 3, 600)
+    # Without aggregation (the streaming baseline) every micro-batch alternates.
+    vso = _ready_step(SimTrainer(c, actor_gpus=2, offload=True, aggregate=False), [mb] * 6)
+    assert vso["alternations"] == 12 and vso["step_time"] > col["step_time"]
+    # Decoupled, Ref as fast as the Actor's forward: C_dec with M = 1.
+    mb1 = SimMicroBatch(ranks=((4096,),), n_action_tokens=1, n_seqs=1)
+    dec = _ready_step(SimTrainer(c, actor_gpus=1, ref_gpus=1), [mb1] * 6)
+    costs = ra2p.PhaseCosts(c.ref_forward(mb1.ranks), c.actor_forward(mb1.ranks),
+                            c.actor_backward(mb1.ranks), 0.0, 1)
+    assert dec["step_time"] == pytest.approx(ra2p.c_dec([0.0] * 6, costs) + c.apply(1),
+                                             abs=1e-4)
+    assert dec["swaps"] == 0 and dec["mode"] == "decoupled"
+
+
+# -- the production control plane on virtual time --------------------------------------------
+SMALL = dict(gpus=4, steps=2, groups_per_step=3, group_size=4, groups_per_microbatch=1,
+             eval_every=1, eval_groups=1, workloads=("webshop",), rollout_ratio=0.5)
+
+
+@pytest.fixture(scope="module")
+def small_runs():
+    from tiderl.sim.cluster import MODES, SimConfig, simulate_job
+
+    return {m: simulate_job(SimConfig(mode=m, **SMALL)) for m in MODES}
+
+
+def test_the_simulator_runs_the_production_control_plane(small_runs):
+    from tiderl.control.buffer import ReadinessBuffer
+    from tiderl.control.controller import Controller
+    from tiderl.control.ers import KeepSplit
+    from tiderl.serving.ctb import CTBScheduler, VanillaScheduler
+    from tiderl.serving.rank import RolloutRank
+    from tiderl.serving.rollout import RolloutManager
+
+    for mode, run in small_runs.items():
+        c = run.controller
+        assert type(c) is Controller and type(c.manager) is RolloutManager
+        assert type(c.buffer) is ReadinessBuffer and type(c.planner) is KeepSplit
+        live = [r for r in c.manager.ranks if r is not None]  # ERS: cells outside rollout
+        assert live and all(type(r) is RolloutRank for r in live)
+        assert type(c.manager.sched) is (CTBScheduler if mode == "tiderl" else VanillaScheduler)
+        steps = run.steps
+        assert len(steps) == 2 and run.trainer.version == 2
+        last = steps[-1]
+        assert last["goodput"] == pytest.approx(last["consumed_tokens"] / last["wall_s"])
+        assert 0 < last["kv_hit_rate"] < 1 and last["wall_s"] > 10  # virtual seconds
+        assert any(r["kind"] == "eval" for r in run.records)
+    sync = small_runs["sync"].steps
+    assert all(a["t_train_end"] <= b["t_rollout_start"] for a, b in zip(sync, sync[1:], strict=False))
+
+
+def test_ers_runs_through_the_one_hook_or_is_refused_clearly():
+    """With the production ERS planner in the build, a simulated job runs it: cells move
+    through the controller's role-change path, the SimTrainer's width follows the cell map and
+    no step is lost. Without it, asking for ERS is a clear error and fixed splits still run."""
+    from tiderl.configlib import ConfigError
+    from tiderl.sim.cluster import SimConfig, simulate_job
+    from tiderl.sim.ers import has_cells
+
+    cfg = SimConfig(mode="tiderl", planner="ers", **{**SMALL, "steps": 3, "eval_every": 0})
+    if not has_cells():
+        with pytest.raises(ConfigError, match="ERSPlanner"):
+            simulate_job(cfg)
+        return
+    from tiderl.control.ers import ERSPlanner
+
+    run = simulate_job(cfg)
+    c = run.controller
+    assert type(c.planner) is ERSPlanner and len(run.steps) == 3
+    changes = [r for r in run.records if r.get("kind") == "role_change"]
+    assert changes and changes[0]["reason"].startswith("cold start")
+    cells = c.roles.cells
+    assert run.trainer.actor_gpus == cells.count("trainer")
+    live = [i for i, r in enumerate(c.manager.ranks) if r is not None]
+    assert live == list(cells.cells("rollout"))
+
+
+def test_the_simulator_imports_no_jax(tmp_path):
+    code = ("import sys; from tiderl.sim.cluster import SimConfig, simulate_job\n"
+            "r = simulate_job(SimConfig(mode='tiderl', gpus=2, steps=1, groups_per_step=2, "
+            "group_size=2, eval_every=0, workloads=('alfworld',)))\n"
+            "import tiderl.sim.experiments, tiderl.sim.validate, tiderl.sim.calibrate\n"
+            "print(r.summary['steps'], 'jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "False"]
+
+
+def test_ctb_keeps_kv_resident_under_a_tight_pool():
+    """One rank whose pool holds a fraction of the tasks: the request-level baseline evicts
+    waiting tasks and recomputes them; CTB pauses tasks instead and keeps a higher hit rate."""
+    from tiderl.sim.cluster import SimConfig, simulate_job
+
+    base = SimConfig(mode="sync", gpus=1, steps=1, groups_per_step=8, group_size=4,
+                     eval_every=0, workloads=("webshop",), kv_tokens=24_000)
+    ctb = simulate_job(base.__class__(**{**base.__dict__, "scheduler": "ctb"}))
+    van = simulate_job(base.__class__(**{**base.__dict__, "scheduler": "vanilla",
+                                         "vanilla_concurrency": 32}))
+    hit = {k: r.steps[-1]["kv_hit_rate"] for k, r in (("ctb", ctb), ("van", van))}
+    rec = {k: sum(x.stats.recomputed_evicted for x in r.ranks) for k, r in (("ctb", ctb),
+                                                                           ("van", van))}
+    assert rec["van"] > 0 and hit["ctb"] > hit["van"]
+    assert rec["ctb"] < rec["van"]
+    assert ctb.controller.manager.decisions["pause"] > 0
+
+
+def test_calibration_fit_recovers_known_costs():
+    from tiderl.sim.calibrate import fit_op, predict
+
+    true = (2e-3, 1e9, 5e8)
+    samples = []
+    for f in (1e6, 5e6, 2e7, 1e8):
+        for h in (1e5, 1e6, 2e7, 1e8):
+            works = [{"flops": f, "hbm": h}]
+            samples.append((works, predict(true, works)))
+    cost, mape = fit_op(samples)
+    assert mape < 0.01
+    assert cost.c0 == pytest.approx(2e-3, rel=0.05)
+    assert cost.rate("flops") == pytest.approx(1e9, rel=0.05)
+
+
+def test_validation_compares_modes_and_ranks_them():
+    from tiderl.sim.validate import compare
+
+    def run(goodput, step):
+        return {"records": [{"kind": "step", "goodput": goodput, "step_time_s": step,
+                             "rwt_s": 0.0, "twt_s": 1.0, "kv_hit_rate": 0.5,
+                             "prefill_computed": 10}]}
+
+    real = {"sync": [run(10, 2.0)], "tiderl": [run(20, 1.0)]}
+    sim = {"sync": [run(11, 2.2)], "tiderl": [run(19, 1.0)]}
+    res = compare(real, sim)
+    assert res["same_ranking"] and res["max_goodput_rel_error"] == pytest.approx(0.1)
+    assert res["modes"]["sync"]["step_time_mape"] == pytest.approx(0.1)
+    sim["sync"] = [run(30, 1.0)]
+    assert not compare(real, sim)["same_ranking"]
+
+
+def test_the_cpu_job_simulates_from_its_run_config(tmp_path):
+    """The validation twin: the same RunConfig, the default task's adapter and the server's
+    injected latencies, priced by a fitted profile."""
+    from tiderl.sim.validate import run_config, run_metrics, simulate
+
+    cfg = run_config("tiderl", 2, 0, str(tmp_path))
+    out = simulate(cfg, "cpu-fitted")
+    m = run_metrics(out)
+    assert len([r for r in out["records"] if r["kind"] == "step"]) == 2
+    assert m["goodput"] > 0 and 0 < m["kv_hit_rate"] < 1
+
+
+def test_fig14_command_prints_its_json(tmp_path, capsys):
+    from tiderl.sim.experiments import main
+
+    assert main(["fig14", "--out", str(tmp_path)]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"cm_over_vs", "dm_over_vs"} <= set(res) and (tmp_path / "fig14.png").is_file()
+    assert res["cm_over_vso"] < 1  # aggregation saves swaps over per-micro-batch alternation
+
+
+def test_shared_host_shares_its_capacity():
+    """Processor sharing on one CPU machine: work beside other work runs slower."""
+    import asyncio
+
+    from tiderl.sim.clock import run_virtual
+    from tiderl.sim.host import SharedHost
+
+    async def go():
+        h = SharedHost(capacity=1.0)
+        loop = asyncio.get_running_loop()
+        assert h.fixed(0.5) == pytest.approx(0.5)  # alone: full rate
+        t0 = loop.time()
+        await h.elastic(1.0)  # half rate while the fixed work runs, then full
+        elastic = loop.time() - t0
+        beside = h.fixed(1.0)  # nothing else in flight now
+        both = asyncio.ensure_future(h.elastic(1.0))
+        await asyncio.sleep(0)
+        late = h.fixed(1.0)  # starts beside the elastic and the first fixed work
+        await both
+        return elastic, beside, late, loop.time() - t0
+
+    elastic, beside, late, _ = run_virtual(go())
+    assert elastic == pytest.approx(0.5 + 0.75, abs=1e-4)
+    assert beside == pytest.approx(1.0) and late == pytest.approx(3.0)
+    assert SharedHost(capacity=2.0).capacity == 2.0
+    with pytest.raises(ValueError, match="capacity"):
+        SharedHost(capacity=0)

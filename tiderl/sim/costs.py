@@ -1,0 +1,441 @@
+"""Cost models of the engine, the trainer and the links between them, from device profiles.
+No JAX.
+
+Every operation costs `c0 + max_k(work_k / rate_k)`: a fixed per-call cost (launch, dispatch,
+host bookkeeping) plus the slowest of its resources working in parallel (FLOPs, HBM bytes, link
+bytes, PCIe bytes), the roofline form serving simulators use (Vidur, LLMServingSim). The *work*
+comes from the model's shape and the operation's exact arguments (the rows and contexts of a
+prefill, the sequences of a micro-batch); the *rates* and `c0` come from a device profile
+(`tiderl/sim/profiles/*.yaml`):
+
+- `kind: roofline` (`h100`): rates derived from the device's peak numbers and the achievable
+  fractions stated in the profile (MFU of training and prefill, HBM efficiency of decode, link
+  bandwidths), overheads stated per operation.
+- `kind: fitted` (`cpu-fitted`): `c0` and rates per operation fitted by
+  `python -m tiderl.sim.calibrate` to micro-benchmarks of the real engine and trainer.
+
+Model shapes (`ModelShape`) hold what the work formulas need; the Qwen2.5 presets copy the
+numbers of the models' `config.json` files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tiderl.configlib import ConfigError
+
+PROFILES = Path(__file__).with_name("profiles")
+COMPONENTS = ("flops", "hbm", "link", "pcie")
+OPS = ("prefill", "decode", "ref_forward", "actor_forward", "actor_backward", "apply", "swap",
+       "weight_sync", "role_change", "context_switch", "env_call")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A decoder's shape: what FLOP and byte counts need (GQA, SwiGLU, untied or tied head)."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    vocab: int
+    tied: bool = False
+    dtype_bytes: int = 2
+    """Bytes per weight/activation element in serving and the bf16 training copy."""
+
+    @functools.cached_property
+    def layer_params(self) -> int:
+        d, h, k, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        attn = d * h * hd + 2 * d * k * hd + h * hd * d
+        return attn + 3 * d * self.mlp_dim + 2 * d
+
+    @functools.cached_property
+    def params(self) -> int:
+        emb = self.vocab * self.d_model
+        return self.n_layers * self.layer_params + emb * (1 if self.tied else 2) + self.d_model
+
+    @functools.cached_property
+    def matmul_params(self) -> int:
+        """Parameters every token multiplies through (layers and the output head)."""
+        return self.n_layers * self.layer_params + self.vocab * self.d_model
+
+    @functools.cached_property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    def attn_flops(self, pairs: float) -> float:
+        """FLOPs of attention over `pairs` (query, key) pairs: QKᵀ and AV, every layer."""
+        return 4.0 * self.n_layers * self.n_heads * self.head_dim * pairs
+
+    def forward_flops(self, tokens: float, pairs: float) -> float:
+        return 2.0 * self.matmul_params * tokens + self.attn_flops(pairs)
+
+
+# Qwen2.5 shapes, from the Hugging Face config.json of Qwen/Qwen2.5-7B(-Instruct) and -14B.
+MODELS: dict[str, ModelShape] = {
+    "qwen2.5-7b": ModelShape(name="qwen2.5-7b", n_layers=28, d_model=3584, n_heads=28,
+                             n_kv_heads=4, head_dim=128, mlp_dim=18944, vocab=152064),
+    "qwen2.5-14b": ModelShape(name="qwen2.5-14b", n_layers=48, d_model=5120, n_heads=40,
+                              n_kv_heads=8, head_dim=128, mlp_dim=13824, vocab=152064),
+    # Qwen3-4B's text decoder (the language model of Qwen3-VL-4B); the vision tower is counted
+    # as prefill tokens by the workload.
+    "qwen3-4b": ModelShape(name="qwen3-4b", n_layers=36, d_model=2560, n_heads=32,
+                           n_kv_heads=8, head_dim=128, mlp_dim=9728, vocab=151936, tied=True),
+    # The embedded CPU default (configs/default.yaml), float32.
+    "tiny": ModelShape(name="tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                       head_dim=16, mlp_dim=128, vocab=272, tied=True, dtype_bytes=4),
+}
+
+
+def model_shape(name: str) -> ModelShape:
+    if name not in MODELS:
+        raise ConfigError(f"sim model {name!r} is unknown; use one of {sorted(MODELS)}")
+    return MODELS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """`c0 + max_k(work_k / rate_k)`; a rate of 0 means the component is not charged."""
+
+    c0: float = 0.0
+    rates: tuple[tuple[str, float], ...] = ()
+
+    def __call__(self, **work: float) -> float:
+        t = 0.0
+        for k, rate in self.rates:
+            w = work.get(k, 0.0)
+            if rate > 0 and w > 0:
+                t = max(t, w / rate)
+        return self.c0 + t
+
+    def rate(self, k: str) -> float:
+        return dict(self.rates).get(k, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator and its links (a roofline profile's `device:` section)."""
+
+    flops: float
+    hbm_bw: float
+    hbm_bytes: float
+    nvlink_bw: float = 0.0
+    cross_node_bw: float = 0.0
+    pcie_bw: float = 0.0
+    gpus_per_node: int = 8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineRules:
+    """How the engine batches work (what its cost is computed over)."""
+
+    padded: bool = False
+    """Work counts padded shapes: rows up to a decode bucket, lengths up to a prefill bucket,
+    attention over each row's whole page table (our JAX engine's reference path). False: exact
+    token counts and causal attention (a varlen flash-attention engine, vLLM)."""
+    prefill_buckets: tuple[int, ...] = (8192,)
+    decode_buckets: tuple[int, ...] = (1024,)
+    max_context: int = 8192
+    decode_steps_per_call: int = 1
+    """Decode steps one `generate` call runs before the host looks again (vLLM's multi-step
+    scheduling); 1 is the JAX engine's behaviour."""
+    kv_fraction: float = 0.9
+    """Share of HBM the engine may use (vLLM's gpu_memory_utilization); the KV pool is that
+    minus the weights and `activation_bytes`."""
+    activation_bytes: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A device profile: per-operation costs plus the device and engine facts they rest on."""
+
+    name: str
+    kind: str
+    ops: Mapping[str, OpCost]
+    device: Device | None
+    engine: EngineRules
+    notes: Mapping[str, Any]
+    host: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """The parts share one host (`tiderl.sim.host`): its effective `capacity` in cores."""
+
+    def op(self, name: str) -> OpCost:
+        if name not in self.ops:
+            raise ConfigError(f"profile {self.name!r} has no cost for operation {name!r}; add "
+                              f"ops.{name} to its YAML (operations: {', '.join(OPS)})")
+        return self.ops[name]
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A profile by name (`h100`, `cpu-fitted`) or YAML path."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILES.glob("*.yaml"))
+        hint = " (run python -m tiderl.sim.calibrate to fit it)" if "fitted" in str(path) else ""
+        raise ConfigError(f"sim profile {str(name_or_path)!r} not found at {path}{hint}; known "
+                          f"profiles: {', '.join(known)}")
+    return profile_from_dict(yaml.safe_load(path.read_text()), source=str(path))
+
+
+def _num(v: Any) -> Any:
+    """YAML 1.1 reads `4.0e9` (no sign in the exponent) as a string; numbers are meant."""
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    if isinstance(v, list):
+        return tuple(_num(x) for x in v)
+    return v
+
+
+def profile_from_dict(d: Mapping[str, Any], *, source: str = "<dict>") -> Profile:
+    kind = d.get("kind")
+    fields = {f.name: f.type for f in dataclasses.fields(EngineRules)}
+    eng_spec = {}
+    for k, v in (d.get("engine") or {}).items():
+        if k not in fields:
+            raise ConfigError(f"sim profile {source}: engine.{k} is unknown; known keys: "
+                              f"{', '.join(fields)}")
+        v = _num(v)
+        eng_spec[k] = int(v) if fields[k] == "int" else v
+    eng = EngineRules(**eng_spec)
+    d = {**d, "efficiency": {k: _num(v) for k, v in (d.get("efficiency") or {}).items()},
+         "overheads": {k: _num(v) for k, v in (d.get("overheads") or {}).items()}}
+    if kind == "roofline":
+        dev = Device(**{k: float(_num(v)) if k != "gpus_per_node" else int(v)
+                        for k, v in d["device"].items()})
+        ops = _roofline_ops(dev, d.get("efficiency", {}), d.get("overheads", {}), source)
+    elif kind == "fitted":
+        dev = Device(**{k: float(_num(v)) if k != "gpus_per_node" else int(v)
+                        for k, v in d["device"].items()}) if d.get("device") else None
+        ops = {}
+        for name, spec in (d.get("ops") or {}).items():
+            rates = tuple((k, float(_num(spec[k]))) for k in COMPONENTS if spec.get(k))
+            ops[name] = OpCost(float(_num(spec.get("c0", 0.0))), rates)
+    else:
+        raise ConfigError(f"sim profile {source}: kind={kind!r}; use 'roofline' or 'fitted'")
+    host = {k: float(_num(v)) for k, v in (d.get("host") or {}).items()}
+    unknown = set(host) - {"capacity"}
+    if unknown:
+        raise ConfigError(f"sim profile {source}: host.{sorted(unknown)[0]} is unknown; use "
+                          "host.capacity (effective cores the parts share)")
+    return Profile(str(d.get("name", Path(source).stem)), kind, ops, dev, eng,
+                   dict(d.get("notes") or {}), host)
+
+
+def _roofline_ops(dev: Device, eff: Mapping[str, float], over: Mapping[str, float],
+                  source: str) -> dict[str, OpCost]:
+    need = ("train", "prefill", "decode_flops", "hbm")
+    missing = [k for k in need if k not in eff]
+    if missing:
+        raise ConfigError(f"sim profile {source}: efficiency.{missing[0]} is missing (needs "
+                          f"{', '.join(need)})")
+    hbm = dev.hbm_bw * eff["hbm"]
+
+    def op(c0_key: str, **rates: float) -> OpCost:
+        return OpCost(float(over.get(c0_key, 0.0)), tuple(rates.items()))
+
+    train = dev.flops * eff["train"]
+    # "link": the network a collective runs over; the caller picks intra- or cross-node
+    # bandwidth by scaling work (see `CostModel.link_bytes`), so the rate here is NVLink's.
+    return {
+        "prefill": op("prefill_c0", flops=dev.flops * eff["prefill"], hbm=hbm),
+        "decode": op("decode_c0", flops=dev.flops * eff["decode_flops"], hbm=hbm),
+        "ref_forward": op("train_mb_c0", flops=train, hbm=hbm, link=dev.nvlink_bw),
+        "actor_forward": op("train_mb_c0", flops=train, hbm=hbm, link=dev.nvlink_bw),
+        "actor_backward": op("train_mb_c0", flops=train, hbm=hbm, link=dev.nvlink_bw),
+        "apply": op("apply_c0", hbm=hbm, link=dev.nvlink_bw),
+        "swap": op("swap_c0", pcie=dev.pcie_bw),
+        "weight_sync": op("sync_c0", link=dev.nvlink_bw),
+        "role_change": op("role_change_c0", pcie=dev.pcie_bw),
+        "context_switch": op("context_switch_c0"),
+        "env_call": op("env_call_c0"),
+    }
+
+
+def _pow2_bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1] * math.ceil(n / buckets[-1])
+
+
+class CostModel:
+    """Costs of one model's operations under one profile (seconds)."""
+
+    def __init__(self, profile: Profile, model: ModelShape):
+        self.profile, self.model = profile, model
+        self.rules = profile.engine
+        self._ops = {k: profile.op(k) for k in profile.ops}
+
+    # -- engine ----------------------------------------------------------------------------
+    def kv_capacity_tokens(self, gpus_per_rank: int = 1) -> int:
+        """Tokens of KV a rollout rank holds (HBM share minus weights and activations)."""
+        dev = self.profile.device
+        if dev is None:
+            raise ConfigError(f"profile {self.profile.name!r} has no device section; give the "
+                              "KV pool size explicitly")
+        free = gpus_per_rank * (dev.hbm_bytes * self.rules.kv_fraction
+                                - self.rules.activation_bytes) - self.model.weight_bytes
+        if free <= 0:
+            raise ConfigError(f"model {self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB "
+                              f"of weights) does not fit a rollout rank of {gpus_per_rank} "
+                              f"{self.profile.name} device(s); use more devices per rank")
+        return int(free // self.model.kv_bytes_per_token)
+
+    def prefill_work(self, rows: Sequence[tuple[int, int]], gpus: int = 1
+                     ) -> list[dict[str, float]]:
+        """Work of each device round of one prefill call over `rows` of (cached prefix, new
+        tokens), the engine's rules applied: long inputs in chunks of the largest bucket, each
+        round padded to its buckets when the engine pads."""
+        r, m = self.rules, self.model
+        chunk = r.prefill_buckets[-1]
+        todo = [[c, n] for c, n in rows if n > 0]
+        out = []
+        while todo:
+            take = [min(chunk, n) for _, n in todo]
+            if r.padded:
+                t = _bucket(max(take), r.prefill_buckets)
+                b = _bucket(len(todo), r.decode_buckets)
+                tokens = b * t
+                pairs = b * t * r.max_context  # gather attention over the whole page table
+                kv_read = b * r.max_context
+            else:
+                tokens = sum(take)
+                pairs = sum(n * c + n * (n + 1) / 2
+                            for (c, _), n in zip(todo, take, strict=True))
+                kv_read = sum(c for c, _ in todo)
+            flops = m.forward_flops(tokens, pairs)
+            hbm = m.weight_bytes + m.kv_bytes_per_token * (kv_read + tokens)
+            out.append({"flops": flops / gpus, "hbm": hbm / gpus})
+            for row, n in zip(todo, take, strict=True):
+                row[0] += n
+                row[1] -= n
+            todo = [row for row in todo if row[1] > 0]
+        return out
+
+    def prefill(self, rows: Sequence[tuple[int, int]], gpus: int = 1) -> float:
+        """One prefill call (see `prefill_work`): the sum of its rounds."""
+        op = self._ops["prefill"]
+        return sum(op(**w) for w in self.prefill_work(rows, gpus))
+
+    def decode_work(self, *, batch: int, context_sum: int, gpus: int = 1) -> dict[str, float]:
+        r, m = self.rules, self.model
+        if r.padded:
+            batch = _bucket(batch, r.decode_buckets)
+            context_sum = batch * r.max_context
+        return {"flops": m.forward_flops(batch, context_sum) / gpus,
+                "hbm": (m.weight_bytes + m.kv_bytes_per_token * context_sum) / gpus}
+
+    def decode(self, contexts: Sequence[int] | None = None, *, batch: int = 0,
+               context_sum: int = 0, gpus: int = 1) -> float:
+        """One decode step of `batch` rows whose contexts sum to `context_sum`."""
+        if contexts is not None:
+            batch, context_sum = len(contexts), sum(contexts)
+        if batch <= 0:
+            return 0.0
+        return self._ops["decode"](**self.decode_work(batch=batch, context_sum=context_sum,
+                                                       gpus=gpus))
+
+    # -- trainer ----------------------------------------------------------------------------
+    def train_work(self, rank_lens: Sequence[Sequence[int]], *, row_len: int | None,
+                    backward: bool) -> dict[str, float]:
+        """Work of one micro-batch on a data-parallel group, one list of sequence lengths per
+        rank: the busiest rank's compute (ranks wait for each other at the collectives) and the
+        group's FSDP traffic."""
+        m = self.model
+        gpus = max(1, len(rank_lens))
+        mult = 2.0 if backward else 1.0  # a backward pass is twice its forward
+        flops = act = 0.0
+        for lens in rank_lens:
+            if row_len:  # the JAX trainer: packed rows of row_len, bucketed to powers of 2
+                rows = _pow2_bucket(max(1, math.ceil(sum(lens) / row_len)))
+                tokens, pairs = rows * row_len, rows * row_len * row_len
+            else:
+                tokens, pairs = sum(lens), sum(s * (s + 1) / 2 for s in lens)
+            flops = max(flops, mult * m.forward_flops(tokens, pairs))
+            act = max(act, mult * tokens * m.d_model * m.n_layers * 16)
+        hbm = mult * m.weight_bytes / gpus + act
+        # FSDP: params all-gathered in the forward; all-gathered again and grads
+        # reduce-scattered in the backward: each GPU moves (g-1)/g of the bf16 params per one.
+        link = self.link_bytes(mult * m.weight_bytes * (gpus - 1) / gpus, gpus)
+        return {"flops": flops, "hbm": hbm, "link": link}
+
+    def link_bytes(self, nbytes: float, gpus: int) -> float:
+        """`nbytes` over the group's slowest link, in NVLink-equivalent bytes: a group that
+        spans nodes runs its collectives at the cross-node bandwidth."""
+        dev = self.profile.device
+        if dev is None or gpus <= dev.gpus_per_node or not dev.cross_node_bw:
+            return nbytes
+        return nbytes * dev.nvlink_bw / dev.cross_node_bw
+
+    def ref_forward(self, rank_lens: Sequence[Sequence[int]], *,
+                    row_len: int | None = None) -> float:
+        return self._ops["ref_forward"](**self.train_work(rank_lens, row_len=row_len,
+                                                           backward=False))
+
+    def actor_forward(self, rank_lens: Sequence[Sequence[int]], *,
+                      row_len: int | None = None) -> float:
+        return self._ops["actor_forward"](**self.train_work(rank_lens, row_len=row_len,
+                                                             backward=False))
+
+    def actor_backward(self, rank_lens: Sequence[Sequence[int]], *,
+                       row_len: int | None = None) -> float:
+        return self._ops["actor_backward"](**self.train_work(rank_lens, row_len=row_len,
+                                                              backward=True))
+
+    def actor_state_bytes(self) -> float:
+        """Actor state moved by an offload: bf16 params, fp32 master copy, Adam's two moments."""
+        return self.model.params * (self.model.dtype_bytes + 12)
+
+    def apply(self, gpus: int = 1) -> float:
+        """Optimizer update: reads grads and state, writes params and state (sharded)."""
+        p = self.model.params / gpus
+        return self._ops["apply"](hbm=p * (4 + 2 * 12 + self.model.dtype_bytes))
+
+    def swap(self, role: str, gpus: int = 1) -> float:
+        """One model's state between device and host memory, one direction (sharded)."""
+        nbytes = self.actor_state_bytes() if role == "actor" else self.model.weight_bytes
+        return self._ops["swap"](pcie=nbytes / gpus)
+
+    def weight_sync(self, *, cross_node: bool, gpus_per_rank: int = 1) -> float:
+        """New weights from the trainer to every rollout rank (a pipelined broadcast: each rank
+        receives its shard of the bf16 weights once)."""
+        nbytes = self.model.weight_bytes / gpus_per_rank
+        if cross_node:
+            nbytes = self.link_bytes(nbytes, 1 << 30)
+        return self._ops["weight_sync"](link=nbytes)
+
+    def role_change(self, gpus: int = 1) -> float:
+        """A rank changing role loads the other model's weights over PCIe (the Ref from host
+        memory; a leaving rollout rank drops its weights and KV)."""
+        return self._ops["role_change"](pcie=self.model.weight_bytes / gpus)
+
+    def env_call(self) -> float:
+        """Protocol overhead of one environment call (HTTP round trip), besides its latency."""
+        op = self._ops.get("env_call")
+        return op() if op is not None else 0.0
+
+    def context_switch(self) -> float:
+        """Fixed cost of one Ref/Actor alternation on shared devices, besides any swap."""
+        return self._ops["context_switch"]()

@@ -1,0 +1,364 @@
+"""SimEngine: the engine contract on host data only, with a KV pool and a cost per call. No JAX.
+
+It keeps what the real engine (`tiderl.serving.engine`) keeps on the host — each task's tokens,
+which of them are resident in KV and of which weight version, pages per slot, the
+vLLM-style prefix-cache counters — and follows its rules: `prefill_many` is all-or-nothing on
+pages and slots, a prefill computes only what is not resident (everything after an eviction or
+a weight flush), decode needs a page for every token it writes, a full pool raises
+`PoolExhaustedError` with nothing changed. No numbers are computed: actions are drawn from an
+`ActionModel` keyed by (task, position), so a trajectory does not depend on batching.
+
+Time: every call adds its cost under a `CostModel` (the engine's batching rules applied: chunks,
+buckets, padding) to a running total the rank reads with `take_cost_s()` and charges to the
+loop's clock (see `tiderl.serving.rank`). With `decode_steps_per_call = k > 1`, one `generate`
+runs up to k decode steps (vLLM's multi-step scheduling): slots whose action ends inside the
+call stop there, and the call costs the sum of its steps over the shrinking batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from tiderl.serving.pages import (
+    EngineCounters,
+    PoolExhaustedError,
+    PrefillRequest,
+    Prefix,
+    ResultTokens,
+    StopReason,
+)
+from tiderl.sim.costs import CostModel
+
+DIGITS = [ord(str(d)) for d in range(1, 10)]
+FILLER = ord("a")
+
+
+def _u64(*key: Any) -> int:
+    # Stable across processes (str hashes are salted per process).
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+
+class ActionModel(Protocol):
+    filler: int | None
+    """The token every action token but a stop is (None: ask `token` for each)."""
+
+    def length(self, task_id: int, position: int) -> int:
+        """Tokens of the action that starts at `position` of task `task_id` (stop included)."""
+
+    def token(self, task_id: int, position: int, last: bool) -> int:
+        """The token sampled at `position` (the stop token when `last` and the action stops)."""
+
+
+class DigitActions:
+    """The default task's actions: one random digit per token, `length` tokens (no stop)."""
+
+    filler = None
+
+    def __init__(self, seed: int, length: int = 1):
+        self.seed, self.n = seed, length
+
+    def length(self, task_id: int, position: int) -> int:
+        return self.n
+
+    def token(self, task_id: int, position: int, last: bool) -> int:
+        return DIGITS[_u64(self.seed, task_id, position) % len(DIGITS)]
+
+
+class SimEngine:
+    """The engine contract without a model (see the module docstring)."""
+
+    def __init__(self, *, seed: int = 0, max_action_tokens: int = 1, max_context: int = 512,
+                 stop_tokens: tuple[int, ...] = (), costs: CostModel | None = None,
+                 num_pages: int | None = None, page_size: int = 16,
+                 max_slots: int | None = None, actions: ActionModel | None = None,
+                 gpus: int = 1, decode_steps_per_call: int | None = None,
+                 host: Any = None):
+        self.seed, self.version = seed, 0
+        self.max_action_tokens, self.max_context = max_action_tokens, max_context
+        self.stop_tokens = tuple(stop_tokens)
+        self.costs, self.gpus = costs, gpus
+        self.host = host
+        """A `tiderl.sim.host.SharedHost` when rollout shares its host with the trainer."""
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_slots = max_slots
+        self.actions = actions or DigitActions(seed)
+        k = decode_steps_per_call or (costs.rules.decode_steps_per_call if costs else 1)
+        self.decode_steps_per_call = max(1, int(k))
+        self.counters = EngineCounters()
+        self.slots: dict[int, Prefix] = {}
+        self._pages: dict[int, int] = {}
+        self.pages_free = num_pages if num_pages is not None else 1 << 62
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._planned_len: dict[tuple[int, int], int] = {}
+        self._cost = 0.0
+        self.busy_s = 0.0
+        """Device seconds charged so far."""
+
+    # -- cost report (read by RolloutRank) ---------------------------------------------------
+    def take_cost_s(self) -> float:
+        c, self._cost = self._cost, 0.0
+        return self.host.fixed(c) if self.host is not None else c
+
+    def _charge(self, seconds: float) -> None:
+        self._cost += seconds
+        self.busy_s += seconds
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def init_decode_state(self) -> dict:
+        return {}
+
+    def update_weights(self, params: Any, *, version: int | None = None,
+                       flush: bool = True) -> None:
+        self.version = self.version + 1 if version is None else version
+        if flush:
+            for p in self.slots.values():
+                if p.kv_length and p.version != self.version:
+                    self._drop_kv(p, "version")
+
+    # -- pages -------------------------------------------------------------------------------
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _open(self, p: Prefix) -> None:
+        if self._free_slots:
+            p.slot = self._free_slots.pop()
+        else:
+            p.slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.slots[p.slot] = p
+        self._pages[p.slot] = 0
+
+    def _resize(self, p: Prefix, n_tokens: int) -> None:
+        need = self._pages_for(n_tokens) - self._pages[p.slot]
+        if need > 0:
+            self.pages_free -= need
+            self._pages[p.slot] += need
+
+    def _drop_kv(self, p: Prefix, reason: str) -> None:
+        if p.slot is not None:
+            self.pages_free += self._pages[p.slot]
+            self._pages[p.slot] = 0
+        p.kv_length, p.decoding, p.drop_reason = 0, False, reason
+
+    def _close(self, p: Prefix) -> None:
+        if p.slot is None:
+            return
+        self.pages_free += self._pages.pop(p.slot)
+        del self.slots[p.slot]
+        self._free_slots.append(p.slot)
+        p.slot, p.decoding = None, False
+
+    @property
+    def pages_in_use(self) -> int:
+        return sum(self._pages.values())
+
+    # -- the contract ------------------------------------------------------------------------
+    def prefill(self, params, existing_prefix: Prefix | None, tokens, true_length: int, *,
+                task_id: int | None = None, temperature: float | None = None,
+                max_action_tokens: int | None = None) -> Prefix:
+        return self.prefill_many(params, [PrefillRequest(
+            existing_prefix, tokens, true_length, task_id=task_id, temperature=temperature,
+            max_action_tokens=max_action_tokens)])[0]
+
+    def prefill_many(self, params, requests: Sequence[PrefillRequest]) -> list[Prefix]:
+        handles, news = [], []
+        for r in requests:
+            new = list(r.tokens)[: r.true_length]
+            if len(new) != r.true_length:
+                raise ValueError(f"true_length={r.true_length} exceeds len(tokens)={len(new)}")
+            h = r.existing_prefix
+            if h is None:
+                if r.task_id is None:
+                    raise ValueError("prefill of a new task needs task_id= (it keys sampling)")
+                h = Prefix(task_id=int(r.task_id), max_action_tokens=self.max_action_tokens)
+            if not new and h.done:
+                raise ValueError(f"task {h.task_id}: its action already ended "
+                                 f"({h.stop_reason.name}); append the next observation")
+            if not new and not h.tokens:
+                raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
+            if r.max_action_tokens is not None:
+                h.max_action_tokens = r.max_action_tokens
+            if r.temperature is not None:
+                h.temperature = r.temperature
+            handles.append(h)
+            news.append(new)
+        rows = []
+        for h, new in zip(handles, news, strict=True):
+            end = len(h.tokens) + len(new)
+            if end + 1 > self.max_context:
+                h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
+                continue
+            if h.slot is not None and h.kv_length and h.version != self.version:
+                self._drop_kv(h, "version")
+            rows.append((h, new, min(h.kv_length, end - 1), end))
+        self._check_capacity(rows)
+        for h, _, _start, end in rows:
+            if h.slot is None:
+                self._open(h)
+            self._resize(h, end)
+        if self.costs is not None and rows:
+            self._charge(self.costs.prefill([(s, e - s) for _, _, s, e in rows], self.gpus))
+        c = self.counters
+        for h, new, start, end in rows:
+            h.tokens.extend(new)
+            if new:
+                h.action_start, h.logprobs, h.versions = end, [], []
+                h.stop_reason = StopReason.NONE
+            h.prefill_computed, h.prefill_cached = end - start, start
+            c.prompt_tokens_queried += end
+            c.prompt_tokens_served += start
+            redo = max(0, min(end, h.computed_max) - start)
+            if h.drop_reason == "evicted":
+                c.recomputed_evicted += redo
+            elif h.drop_reason == "version":
+                c.recomputed_version += redo
+            else:
+                c.computed_new += redo
+            c.computed_new += end - start - redo
+            h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+            h.computed_max = max(h.computed_max, end)
+            c.prefill_calls += 1
+            self._sample(h, 1)
+            h.decoding = False
+        return handles
+
+    def _check_capacity(self, rows) -> None:
+        new_slots = sum(h.slot is None for h, *_ in rows)
+        if self.max_slots is not None and len(self.slots) + new_slots > self.max_slots:
+            raise PoolExhaustedError(
+                f"no free slot: {new_slots} new tasks but {self.max_slots - len(self.slots)} "
+                f"of max_slots={self.max_slots} free")
+        need = sum(self._pages_for(end) - (self._pages[h.slot] if h.slot is not None else 0)
+                   for h, _, _, end in rows)
+        if need > self.pages_free:
+            raise PoolExhaustedError(f"KV page pool exhausted: prefill needs {need} pages, "
+                                     f"{self.pages_free} free of {self.num_pages}")
+
+    def _planned(self, h: Prefix) -> int:
+        """Tokens the current action will have (its model length, capped)."""
+        key = (h.task_id, h.action_start)
+        n = self._planned_len.get(key)
+        if n is None:
+            n = self._planned_len[key] = min(self.actions.length(h.task_id, h.action_start),
+                                             h.max_action_tokens)
+        return n
+
+    def _sample(self, h: Prefix, n: int) -> None:
+        """Appends the next `n` tokens of the current action and sets its stop reason."""
+        planned = self._planned(h)
+        k0 = len(h.tokens) - h.action_start  # tokens of the action so far
+        n = min(n, max(1, planned - k0), h.max_action_tokens - k0,
+                self.max_context - len(h.tokens))
+        n = max(1, n)
+        k = k0 + n
+        ends = k >= planned
+        stop = bool(self.stop_tokens) and ends and k < h.max_action_tokens
+        filler = self.actions.filler
+        if filler is not None:
+            toks = [filler] * n
+        else:
+            toks = [self.actions.token(h.task_id, len(h.tokens) + j, j == n - 1)
+                    for j in range(n)]
+        if stop:
+            toks[-1] = self.stop_tokens[0]
+        h.tokens.extend(toks)
+        h.logprobs.extend([-2.2] * n)
+        h.versions.extend([self.version] * n)
+        if stop or toks[-1] in self.stop_tokens:
+            h.stop_reason = StopReason.STOP_TOKEN
+        elif k >= h.max_action_tokens or (ends and not self.stop_tokens):
+            h.stop_reason = StopReason.MAX_ACTION_TOKENS
+        elif len(h.tokens) >= self.max_context:
+            h.stop_reason = StopReason.CONTEXT_LIMIT
+        if h.stop_reason != StopReason.NONE:
+            h.decoding = False
+            self._planned_len.pop((h.task_id, h.action_start), None)
+
+    def insert(self, prefix: Prefix, state: dict, slot: int | None = None) -> dict:
+        if prefix.slot is None or prefix.kv_length != len(prefix.tokens) - 1:
+            raise ValueError(f"task {prefix.task_id} is not prefilled (evicted or flushed); "
+                             "call prefill(params, prefix, [], 0) first")
+        prefix.decoding = not prefix.done
+        return state
+
+    def _left(self, h: Prefix) -> int:
+        """Decode steps until the action ends (stop, action cap or context limit)."""
+        produced = len(h.tokens) - h.action_start
+        return max(1, min(self._planned(h) - produced, h.max_action_tokens - produced,
+                          self.max_context - len(h.tokens)))
+
+    def generate(self, params, state: dict) -> tuple[dict, ResultTokens]:
+        active = [p for p in self.slots.values() if p.decoding]
+        if not active:
+            empty = np.zeros(0, np.int32)
+            return state, ResultTokens(empty, empty, np.zeros(0, np.float32), empty, empty)
+        left = [self._left(p) for p in active]
+        k = min(self.decode_steps_per_call, max(left))
+        while True:  # the most steps whose new pages fit (every step writes one token per row)
+            need = sum(max(0, self._pages_for(len(p.tokens) - 1 + min(k, n))
+                           - self._pages[p.slot]) for p, n in zip(active, left, strict=True))
+            if need <= self.pages_free:
+                break
+            if k == 1:
+                raise PoolExhaustedError(
+                    f"KV page pool exhausted: this decode step needs {need} pages, "
+                    f"{self.pages_free} free of {self.num_pages}")
+            k = max(1, k // 2)
+        steps_of = [min(k, n) for n in left]
+        if self.costs is not None:
+            # Step j decodes the rows with more than j steps left, each at its context + j.
+            cnt = [0] * (k + 1)
+            base = [0] * (k + 1)
+            for p, m in zip(active, steps_of, strict=True):
+                cnt[m] += 1
+                base[m] += len(p.tokens)
+            rows = ctx = 0
+            cost = 0.0
+            for j in range(k - 1, -1, -1):  # rows alive at step j: those with m > j
+                rows += cnt[j + 1]
+                ctx += base[j + 1]
+                cost += self.costs.decode(batch=rows, context_sum=ctx + j * rows,
+                                          gpus=self.gpus)
+            self._charge(cost)
+        steps = 0
+        for p, m in zip(active, steps_of, strict=True):
+            self._resize(p, len(p.tokens) - 1 + m)
+            p.kv_length = len(p.tokens) - 1 + m
+            if p.kv_length > p.computed_max:
+                p.computed_max = p.kv_length
+            self._sample(p, m)
+            steps += m
+            p.decoding = not p.done
+        self.counters.decode_steps += k
+        self.counters.decode_tokens += steps
+        res = ResultTokens(np.fromiter((p.slot for p in active), np.int32, len(active)),
+                           np.fromiter((p.tokens[-1] for p in active), np.int32, len(active)),
+                           np.full(len(active), -2.2, np.float32),
+                           np.fromiter((len(p.tokens) for p in active), np.int32, len(active)),
+                           np.fromiter((p.stop_reason for p in active), np.int32, len(active)))
+        return state, res
+
+    def evict(self, prefix: Prefix | int) -> Prefix:
+        p = prefix if isinstance(prefix, Prefix) else self.slots[prefix]
+        if p.slot is not None:
+            self._drop_kv(p, "evicted")
+            self._close(p)
+        return p
+
+    def free(self, prefix: Prefix | int) -> None:
+        p = prefix if isinstance(prefix, Prefix) else self.slots[prefix]
+        self._close(p)
+        p.kv_length, p.decoding = 0, False
+
+    def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
+        raise NotImplementedError("SimEngine does not share pages between siblings yet; run "
+                                  "with rollout.ctb.shared_prompts=false")
+
+    def stats(self) -> dict[str, float]:
+        return {"slots_in_use": len(self.slots), "pages_in_use": self.pages_in_use,
+                "version": self.version, "kv_hit_rate": self.counters.kv_hit_rate,
+                "busy_s": self.busy_s}

@@ -1,0 +1,97 @@
+"""ERS in the simulator: the production planner and role-change path on virtual time. No JAX.
+
+A simulated job hands the controller its layout through one function, `wire(...)`:
+
+- with the cell-based ERS API in `tiderl.control.ers` (`CellMap`, `ERSPlanner`,
+  `RoleChangeResult`, and a controller that takes `cells=`), it returns the controller's
+  `planner`, `cells`, `ranks_per_cell` and `ref_mode` and the `Hooks.apply_roles` hook: the
+  controller drains the ranks of cells leaving rollout through CTB, and the hook moves the
+  `SimTrainer` (Actor width, decoupled Ref), starts a `RolloutRank` over a fresh `SimEngine` per
+  joining rank slot, and charges the moves' costs to the loop clock;
+- without it (a build whose planner only keeps the split: `Roles`/`KeepSplit`) it returns the
+  legacy `roles=` argument, and asking for ERS is a clear error naming what is missing.
+
+Cells: one cell is `gpus_per_rank` devices — one rollout rank, or that many trainer (or Ref)
+data-parallel devices. The initial map lists the rollout cells first (rank slot = cell id),
+then the Ref's, then the trainer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tiderl.configlib import ConfigError
+
+ERS = "ers"
+"""`SimConfig.planner` value for the production readiness-aware planner."""
+
+
+def has_cells() -> bool:
+    """Whether this build has the cell-based ERS API (planner, role changes)."""
+    ers = importlib.import_module("tiderl.control.ers")
+    return all(hasattr(ers, n) for n in ("CellMap", "ERSPlanner", "RoleChangeResult"))
+
+
+def load_planner(spec: str) -> Any:
+    """`ers`: the production ERS planner (default bounds); `module:Class`: any planner class;
+    '': None (the controller keeps the split)."""
+    if not spec:
+        return None
+    if spec == ERS:
+        if not has_cells():
+            raise ConfigError("sim planner 'ers' needs the ERS planner (tiderl.control.ers."
+                              "ERSPlanner with CellMap and RoleChangeResult), which this build "
+                              "lacks; run without --planner or on a build that has it")
+        from tiderl.control import ers
+
+        return ers.ERSPlanner(ers.ERSConfig())
+    mod, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(mod), name)()
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"sim planner {spec!r} cannot be loaded ({e}); give 'ers' or "
+                          "module:Class of a tiderl.control.ers planner") from e
+
+
+def wire(*, planner: str, n_cells: int, rollout_cells: int, ref_cells: int, gpus_per_cell: int,
+         actor_gpus: int, ref_gpus: int, trainer: Any, batcher: Any, new_rank: Callable[[int, Any, int], Awaitable[Any]],
+         join_cost_s: float) -> tuple[dict[str, Any], Any]:
+    """(controller keyword arguments, `apply_roles` hook or None) for a simulated job.
+
+    `new_rank(rank_id, weights, version)` starts a rollout rank; `join_cost_s` is what loading
+    the weights into joining ranks costs (they load concurrently: charged once per change)."""
+    trainer_cells = n_cells - rollout_cells - ref_cells
+    if trainer_cells < 1:
+        raise ConfigError(f"sim layout: {rollout_cells} rollout + {ref_cells} Ref cells of "
+                          f"{n_cells} leave no trainer cell; lower the rollout ratio or ref_gpus")
+    chosen = load_planner(planner)
+    if not has_cells():
+        from tiderl.control.ers import Roles
+
+        return {"roles": Roles(rollout_cells, actor_gpus, ref_gpus), "planner": chosen}, None
+    from tiderl.control.ers import CellMap, RoleChangeResult
+
+    cells = CellMap(tuple(["rollout"] * rollout_cells + ["ref"] * ref_cells
+                          + ["trainer"] * trainer_cells))
+
+    async def apply_roles(change: Any, weights: Any) -> Any:
+        after = change.after
+        ref = after.count("ref") * gpus_per_cell if change.ref_mode == "decoupled" else 0
+        actor = after.count("trainer") * gpus_per_cell
+        move_s = await trainer.change_roles(actor_gpus=actor, ref_gpus=ref)
+        batcher.n_ranks = actor
+        batcher.order = "decoupled" if ref else "colocated"
+        joining = [rid for c in change.joining_rollout() for rid in change.rank_ids(c)]
+        ranks = [await new_rank(rid, weights, change.version) for rid in joining]
+        join_s = join_cost_s if joining else 0.0
+        if join_s:
+            await asyncio.sleep(join_s)
+        return RoleChangeResult(ranks, {"move_s": move_s, "join_s": join_s,
+                                        "actor_gpus": actor, "ref_gpus": ref})
+
+    kwargs = {"planner": chosen, "cells": cells, "ranks_per_cell": 1,
+              "ref_mode": "decoupled" if ref_cells else "colocated"}
+    return kwargs, apply_roles

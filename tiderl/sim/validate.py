@@ -1,0 +1,420 @@
+"""`python -m tiderl.sim.validate`: the same job for real on this CPU and in the simulator with
+the `cpu-fitted` profile, for all four modes and several seeds, compared step by step.
+
+The job is the embedded default (the default task, the tiny policy trained from scratch) with
+the overrides of `tiderl.sim.calibrate.VALIDATION_OVERRIDES` (a Ref phase, a heavy-tailed
+environment). Real runs go through `tiderl.job.run_job`, modes interleaved and rotated per seed
+(machine load drifts hit every mode alike), after one untimed warm-up run per mode (JIT
+compilation is not modelled). Simulated runs build the same controller, scheduler, ranks,
+buffer and micro-batch planner from the same `RunConfig`, over `SimEngine`, `SimTrainer` and
+the default task's adapter with the server's injected latencies (same seeds, same delays).
+
+Compared per mode (medians over seeds): goodput, mean step time, RWT, TWT, KV hit rate and
+prefill tokens computed (which include recomputation), and per step the step time's error.
+Acceptance: simulated goodput within 15% of real for every mode, and the same ranking of modes.
+With `--calibrate` the profile is refitted first, under the machine's current load. The last
+stdout line is one JSON object (`max_goodput_rel_error`, `same_ranking`, ...).
+
+The simulator does not model the CPU the real run's parts share (engine, trainer, env server
+and controller all on this machine's cores): where that matters, it shows as error here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiderl.sim.calibrate import VALIDATION_OVERRIDES
+from tiderl.sim.clock import CpuMeter, run_virtual
+from tiderl.sim.costs import PROFILES, CostModel, load_profile, model_shape
+
+MODES = ("sync", "async", "stream", "tiderl")
+METRICS = ("goodput", "step_time_s", "rwt_s", "twt_s", "kv_hit_rate", "prefill_computed")
+
+
+def run_config(mode: str, steps: int, seed: int, run_dir: str) -> Any:
+    from tiderl.config import load_config
+
+    return load_config(None, [*VALIDATION_OVERRIDES, f"controller.mode={mode}",
+                              f"controller.steps={steps}", f"seed={seed}",
+                              f"env.latency.seed={seed}", f"run_dir={run_dir}",
+                              "controller.time_limit_s=0"])
+
+
+# -- the simulated twin of tiderl.job.run_job -------------------------------------------------
+async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
+                    trace: dict[tuple[str, int], str] | None = None,
+                    host: Any = None) -> dict[str, Any]:
+    from tiderl.control.buffer import ReadinessBuffer
+    from tiderl.control.controller import Controller, Hooks
+    from tiderl.control.metrics import MetricsSink
+    from tiderl.envs.tasks import TaskSource
+    from tiderl.envs.templates import template_for
+    from tiderl.models.tokenizer import load_tokenizer
+    from tiderl.serving.ctb import make_scheduler
+    from tiderl.serving.rank import RolloutRank
+    from tiderl.serving.rollout import RolloutManager
+    from tiderl.sim.engine import DigitActions, SimEngine
+    from tiderl.sim.envs import SimSuiteEnv
+    from tiderl.sim.ers import wire
+    from tiderl.sim.host import SharedHost
+    from tiderl.sim.run import SeedStream
+    from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
+
+    r, t, c = cfg.rollout, cfg.trainer, cfg.controller
+    host = SharedHost(**costs.profile.host) if costs.profile.host else None
+    template = template_for(load_tokenizer(cfg.model.tokenizer), "auto")
+    stops = tuple(sorted(set(r.stop_tokens) | set(template.stop_ids)))
+    plan = cfg.device_plan(cfg.cluster.fake_cpu_devices or 1)
+    engines = [SimEngine(seed=cfg.seed, max_action_tokens=r.max_action_tokens,
+                         max_context=r.max_context, stop_tokens=stops, costs=costs,
+                         num_pages=r.num_pages, page_size=r.page_size, max_slots=r.max_slots,
+                         actions=DigitActions(cfg.seed, r.max_action_tokens), host=host)
+               for _ in plan.rollout]
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(r.prefill_batch, r.max_slots))
+             for i, e in enumerate(engines)]
+    for rank in ranks:
+        await rank.start()
+    kind = r.scheduler if c.mode == "tiderl" else "vanilla"
+    sched = make_scheduler(kind, r.ctb, [r.num_pages * r.page_size] * len(ranks),
+                           max_context=r.max_context, max_tasks_per_rank=r.max_slots)
+    colocated = not plan.ref
+    trainer = SimTrainer(costs, actor_gpus=len(plan.actor), ref_gpus=len(plan.ref),
+                         aggregate=c.mode != "stream", max_aggregate=t.max_aggregate,
+                         offload=t.offload == "always", uses_ref=t.kl_coef != 0,
+                         row_len=t.row_len, host=host)
+
+    async def sync_weights(weights: Any, version: int) -> None:
+        await asyncio.sleep(costs.profile.op("weight_sync")())
+        await asyncio.gather(*(rank.update_weights(weights, version) for rank in ranks))
+
+    batcher = SimMicroBatcher(n_ranks=len(plan.actor), rank_budget=t.rows_per_rank * t.row_len,
+                              order="colocated" if colocated else "decoupled",
+                              balance=t.balance)
+    env = SimSuiteEnv(cfg.env, overhead_s=costs.env_call(), trace=trace, host=host)
+    eval_src = TaskSource.from_config(cfg.env, "eval")
+    manager = RolloutManager(ranks, sched, env, template, max_turns=cfg.env.max_turns,
+                             eval_temperature=c.eval_temperature)
+    metrics = MetricsSink(run_dir, console=False)
+    layout, _ = wire(planner="", n_cells=len(ranks) + len(plan.actor) + len(plan.ref),
+                     rollout_cells=len(ranks), ref_cells=len(plan.ref), gpus_per_cell=1,
+                     actor_gpus=len(plan.actor), ref_gpus=len(plan.ref), trainer=trainer,
+                     batcher=batcher, new_rank=None, join_cost_s=0.0)  # the split stays
+    controller = Controller(
+        c, manager=manager, trainer=trainer,
+        hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher),
+        train_stream=SeedStream(TaskSource.from_config(cfg.env, "train")),
+        eval_groups=[eval_src.element(k) for k in range(eval_src.groups)], metrics=metrics,
+        buffer=ReadinessBuffer(groups_per_microbatch=c.groups_per_microbatch,
+                               max_staleness=c.max_staleness, min_ok_per_group=c.min_ok_per_group,
+                               zero_var=t.zero_var_groups, adv_eps=t.adv_eps),
+        **layout)
+    try:
+        summary = await controller.run()
+    finally:
+        trainer.close()
+        for rank in ranks:
+            await rank.close()
+    summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
+    return {"summary": summary, "records": list(metrics.records), "replayed": env.replayed}
+
+
+def simulate(cfg: Any, profile: str = "cpu-fitted",
+             trace: dict[tuple[str, int], str] | None = None, *,
+             charge_cpu: bool = True) -> dict[str, Any]:
+    """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
+    `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
+    to the virtual clock, as the real run's event loop spends it."""
+    from tiderl.sim.host import SharedHost
+
+    costs = CostModel(load_profile(profile), model_shape("tiny"))
+    host = SharedHost(**costs.profile.host) if costs.profile.host else None
+    meter = CpuMeter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_virtual(_simulate(cfg, costs, tmp, trace, host), meter=meter,
+                          charge_cpu=charge_cpu, host=host)
+    out["cpu_s"] = meter.cpu_s
+    return out
+
+
+class _ActionRecorder:
+    """Records the real policy's actions as the env server's adapter receives them (the
+    default task's adapter runs in-process): {(task id, turn): action text}."""
+
+    def __init__(self) -> None:
+        from tiderl.envs.adapters.default import GuessNumber
+
+        self.cls, self.trace = GuessNumber, {}
+        self._reset, self._step = GuessNumber.reset, GuessNumber.step
+
+    def __enter__(self) -> dict[tuple[str, int], str]:
+        rec, reset, step = self.trace, self._reset, self._step
+
+        def traced_reset(adapter, task):
+            adapter._trace_id = str(task.get("task_id"))
+            return reset(adapter, task)
+
+        def traced_step(adapter, action):
+            rec[(getattr(adapter, "_trace_id", ""), adapter.used)] = action
+            return step(adapter, action)
+
+        self.cls.reset, self.cls.step = traced_reset, traced_step
+        return rec
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls.reset, self.cls.step = self._reset, self._step
+
+
+def prime_compiles(cfg: Any) -> int:
+    """Compiles every kernel shape the job can use, untimed: each prefill (rows, length)
+    bucket and decode bucket of the engine, and the trainer's kernels at every row bucket.
+    (Compiled kernels are shared by later jobs of the same model and meshes in this process.)
+    The simulator does not model compilation, so the timed runs must not pay for it."""
+    import jax
+
+    from tiderl.envs.templates import template_for
+    from tiderl.job import rollout_config_for, trainer_config_for_mode
+    from tiderl.launch import build
+    from tiderl.models.tokenizer import load_tokenizer
+    from tiderl.serving.engine import Engine
+    from tiderl.serving.pages import PrefillRequest
+    from tiderl.train.backend import TrainerBackend
+    from tiderl.train.dispatch import microbatches
+    from tiderl.train.synthetic import synthetic_trajectories
+
+    devices, plan, meshes, graphdef, params = build(cfg)
+    rcfg = rollout_config_for(cfg, template_for(load_tokenizer(cfg.model.tokenizer), "auto"))
+    eng = Engine(graphdef, jax.device_put(params, devices[plan.rollout[0][0]]), cfg.model, rcfg)
+    eng.init_decode_state()
+    ids = iter(range(1 << 30))
+    n = 0
+    for b in rcfg.decode_buckets:
+        for t in rcfg.prefill_buckets:
+            hs = eng.prefill_many(None, [PrefillRequest(None, [5] * t, t, task_id=next(ids))
+                                         for _ in range(b)])
+            for h in hs:
+                h.stop_reason, h.decoding = type(h.stop_reason).NONE, True
+            eng.generate(None, eng.state)
+            for h in hs:
+                eng.free(h)
+            n += 2
+    t = trainer_config_for_mode(cfg)
+    be = TrainerBackend(t, cfg.model, actor_mesh=meshes["actor"],
+                        ref_mesh=meshes["ref"] if plan.ref else None,
+                        temperature=rcfg.temperature, policy=(graphdef, params))
+    rows = 1
+    # Packing a full budget of short sequences can take up to twice rows_per_rank rows.
+    while rows <= 2 * t.rows_per_rank:
+        trajs = synthetic_trajectories(rows * len(plan.actor), vocab=cfg.model.vocab_size,
+                                       min_len=t.row_len - 8, max_len=t.row_len, seed=rows)
+        mbs, _ = microbatches(trajs, n_ranks=len(plan.actor), row_len=t.row_len,
+                              rows_per_rank=2 * t.rows_per_rank)
+        be.train_step(mbs * 2)  # a second micro-batch: the accumulating backward compiles too
+        rows *= 2
+        n += 1
+    be.close()
+    return n
+
+
+def run_real(cfg: Any) -> dict[str, Any]:
+    from tiderl.control.metrics import read_metrics
+    from tiderl.job import run_job
+
+    if cfg.env.suite_name != "default" or cfg.env.kind != "env":
+        raise ValueError(f"validation records the default task's actions; env.suite="
+                         f"{cfg.env.suite!r} is not supported here")
+    t0, c0 = time.perf_counter(), time.process_time()
+    with _ActionRecorder() as trace:
+        summary = asyncio.run(run_job(cfg))
+    # The machine may be shared: the CPU this run got and the load beside it say how far the
+    # simulator's host model (calibrated effective cores) applies to it.
+    return {"summary": summary, "records": read_metrics(cfg.run_dir),
+            "real_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "loadavg": os.getloadavg()[0], "trace": dict(trace)}
+
+
+def save_real(r: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps({"summary": r["summary"], "records": r["records"],
+                                "real_s": r["real_s"], "cpu_s": r.get("cpu_s"),
+                                "loadavg": r.get("loadavg"),
+                                "trace": [[t, k, a] for (t, k), a in r["trace"].items()]},
+                               default=str))
+
+
+def load_real(path: Path) -> dict[str, Any]:
+    d = json.loads(path.read_text())
+    d["trace"] = {(t, k): a for t, k, a in d["trace"]}
+    return d
+
+
+# -- comparison -------------------------------------------------------------------------------
+def step_records(out: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in out["records"] if r.get("kind") == "step"]
+
+
+def run_metrics(out: dict[str, Any]) -> dict[str, float]:
+    steps = step_records(out)
+    if not steps:
+        return dict.fromkeys(METRICS, float("nan"))
+    last = steps[-1]
+    return {"goodput": last["goodput"],
+            "step_time_s": statistics.fmean(r["step_time_s"] for r in steps),
+            "rwt_s": sum(r["rwt_s"] for r in steps), "twt_s": sum(r["twt_s"] for r in steps),
+            "kv_hit_rate": last["kv_hit_rate"], "prefill_computed": last["prefill_computed"]}
+
+
+def rel_err(sim: float, real: float) -> float:
+    return abs(sim - real) / abs(real) if real else float("nan")
+
+
+def ranking(values: dict[str, float]) -> list[str]:
+    return sorted(values, key=lambda m: -values[m])
+
+
+def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, Any]:
+    """Per-mode medians over seeds, relative errors, step-time MAPE step by step."""
+    out: dict[str, Any] = {"modes": {}}
+    for mode in real:
+        rm = [run_metrics(o) for o in real[mode]]
+        sm = [run_metrics(o) for o in sim[mode]]
+        med = {k: (statistics.median(m[k] for m in rm), statistics.median(m[k] for m in sm))
+               for k in METRICS}
+        errs = []
+        for ro, so in zip(real[mode], sim[mode], strict=True):
+            rs, ss = step_records(ro), step_records(so)
+            errs += [rel_err(b["step_time_s"], a["step_time_s"]) for a, b in zip(rs, ss,
+                                                                                 strict=False)]
+        out["modes"][mode] = {"real": {k: v[0] for k, v in med.items()},
+                              "sim": {k: v[1] for k, v in med.items()},
+                              "rel_error": {k: rel_err(v[1], v[0]) for k, v in med.items()},
+                              "step_time_mape": statistics.fmean(errs) if errs else float("nan")}
+    g_real = {m: v["real"]["goodput"] for m, v in out["modes"].items()}
+    g_sim = {m: v["sim"]["goodput"] for m, v in out["modes"].items()}
+    out["ranking_real"], out["ranking_sim"] = ranking(g_real), ranking(g_sim)
+    out["same_ranking"] = out["ranking_real"] == out["ranking_sim"]
+    out["max_goodput_rel_error"] = max(v["rel_error"]["goodput"]
+                                       for v in out["modes"].values())
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"\n{'mode':7s} {'metric':17s} {'real':>11s} {'sim':>11s} {'error':>7s}")
+    for mode, v in res["modes"].items():
+        for k in METRICS:
+            print(f"{mode:7s} {k:17s} {v['real'][k]:11.3f} {v['sim'][k]:11.3f} "
+                  f"{v['rel_error'][k]:7.1%}")
+        print(f"{mode:7s} {'step time MAPE':17s} {'':>11s} {'':>11s} "
+              f"{v['step_time_mape']:7.1%}  (per step, paired by seed)")
+    print(f"\nranking by goodput: real {' > '.join(res['ranking_real'])}; "
+          f"sim {' > '.join(res['ranking_sim'])}")
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """Step time per step, real against simulated, one panel per mode (first seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(14, 3), sharey=True)
+    for ax, m in zip(axes, MODES, strict=True):
+        for side, style in (("real", "-o"), ("sim", "--s")):
+            runs = res["steps"][side][m]
+            if runs:
+                ax.plot([r["step"] for r in runs[0]], [r["step_time_s"] for r in runs[0]],
+                        style, ms=3, label=side)
+        e = res["modes"][m]["rel_error"]["goodput"]
+        ax.set_title(f"{m} (goodput error {e:.0%})")
+        ax.set_xlabel("step")
+    axes[0].set_ylabel("step time (s)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tiderl.sim.validate",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--profile", default="cpu-fitted")
+    p.add_argument("--calibrate", action="store_true", help="refit the profile first")
+    p.add_argument("--quick", action="store_true", help="4 steps, 1 seed (a smoke run)")
+    p.add_argument("--out", default="", help="write the full comparison as JSON here")
+    p.add_argument("--real-dir", default="",
+                   help="keep each real run (records, summary, action trace) here as JSON; with "
+                        "--reuse-real, simulate against the runs found there instead")
+    p.add_argument("--reuse-real", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds = 4, 1
+    logging.disable(logging.WARNING)
+    if args.calibrate:
+        from tiderl.sim import calibrate
+
+        calibrate.main(["--out", str(PROFILES / f"{args.profile}.yaml")]
+                       + (["--quick"] if args.quick else []))
+    real: dict[str, list] = {m: [] for m in MODES}
+    sim: dict[str, list] = {m: [] for m in MODES}
+    keep = Path(args.real_dir) if args.real_dir else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.reuse_real:
+            for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
+                warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}")
+                prime_compiles(warm)
+                run_real(warm)
+        for seed in range(args.seeds):
+            order = MODES[seed % 4:] + MODES[:seed % 4]
+            for mode in order:
+                cfg = run_config(mode, args.steps, seed, f"{tmp}/{mode}-{seed}")
+                saved = keep / f"{mode}-{seed}.json" if keep is not None else None
+                if args.reuse_real:
+                    if saved is None or not saved.is_file():
+                        raise SystemExit(f"--reuse-real: {saved} not found; run once with "
+                                         "--real-dir to keep the real runs")
+                    r = load_real(saved)
+                else:
+                    r = run_real(cfg)
+                    if saved is not None:
+                        save_real(r, saved)
+                s = simulate(cfg, args.profile, r["trace"])
+                real[mode].append(r)
+                sim[mode].append(s)
+                print(f"seed {seed} {mode:7s} real goodput {r['summary']['goodput']:7.2f} "
+                      f"({r['real_s']:5.1f} s)  sim {s['summary']['goodput']:7.2f} "
+                      f"({s['cpu_s']:4.1f} s cpu); real run got {r.get('cpu_s') or 0:5.1f} s "
+                      f"cpu, load average {r.get('loadavg') or 0:4.1f}", flush=True)
+    res = compare(real, sim)
+    print_table(res)
+    if args.out:
+        keep = ("step", "wall_s", "step_time_s", "rwt_s", "twt_s", "goodput", "kv_hit_rate",
+                "prefill_computed", "consumed_tokens", "generated_tokens")
+        res["steps"] = {side: {m: [[{k: r.get(k) for k in keep} for r in step_records(o)]
+                                   for o in runs[m]] for m in MODES}
+                        for side, runs in (("real", real), ("sim", sim))}
+        Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+        plot(res, Path(args.out).with_suffix(".png"))
+    head = {"max_goodput_rel_error": res["max_goodput_rel_error"],
+            "same_ranking": res["same_ranking"],
+            **{f"goodput_rel_error_{m}": v["rel_error"]["goodput"]
+               for m, v in res["modes"].items()},
+            **{f"step_time_mape_{m}": v["step_time_mape"] for m, v in res["modes"].items()},
+            "steps": args.steps, "seeds": args.seeds, "profile": args.profile}
+    print(json.dumps(head, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
