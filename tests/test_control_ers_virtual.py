@@ -46,13 +46,25 @@ class Scripted:
         return ScalingPlan(after, moves_between(cells, after), reason="scripted", rule="test")
 
 
+class SteppedEngine(SimEngine):
+    """A SimEngine whose every call costs `call_s` of virtual time (the default SimEngine
+    costs nothing, so every turn ends at once and a boundary may find no task to move)."""
+
+    call_s = 0.0
+
+    def take_cost_s(self) -> float:
+        super().take_cost_s()
+        return self.call_s
+
+
 async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=False,
-              batch=(3, 0), env_step_s=1.5):
+              batch=(3, 0), env_step_s=1.5, engine_call_s=0.0):
     tmpl = template_for(ByteTokenizer(), "byte")
     made = []
 
     async def new_rank(rank_id, weights, version):
-        eng = SimEngine(seed=7, stop_tokens=tuple(tmpl.stop_ids))
+        eng = SteppedEngine(seed=7, stop_tokens=tuple(tmpl.stop_ids))
+        eng.call_s = engine_call_s
         eng.update_weights(weights, version=version)
         r = RolloutRank(rank_id, eng)
         await r.start()
@@ -136,8 +148,9 @@ def test_cells_leave_and_rejoin_rollout_without_losing_or_altering_a_task():
               CellMap(("trainer", "rollout", "trainer")),   # another cell drains
               CellMap(("rollout", "rollout", "trainer"))]
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        moved = go(run(Scripted(script), START, tmp=a))
-        still = go(run(Scripted([]), START, tmp=b))
+        # Engine calls cost virtual time, so tasks are mid-episode when a cell drains.
+        moved = go(run(Scripted(script), START, tmp=a, engine_call_s=0.05))
+        still = go(run(Scripted([]), START, tmp=b, engine_call_s=0.05))
     steps = [r for r in moved["records"] if r["kind"] == "step"]
     changes = [r for r in moved["records"] if r["kind"] == "role_change"]
     assert len(steps) == 6 and len(changes) == 4 and len(moved["changes"]) == 4
@@ -204,7 +217,7 @@ def test_elastic_batch_trains_on_b_min_rather_than_wait_and_retains_data():
     cells the trainer fetches full batches. With B_min = B_ideal every batch is full."""
     with tempfile.TemporaryDirectory() as tmp:
         slow = go(run(Scripted([]), CellMap(("rollout", "trainer")), tmp=tmp, steps=8,
-                      batch=(6, 2), env_step_s=3.0))
+                      batch=(6, 2), env_step_s=10.0))
     steps = [r for r in slow["records"] if r["kind"] == "step"]
     assert len(steps) == 8 and all(2 <= r["groups"] <= 6 for r in steps)
     assert all(r["fetch_next"] == 2 for r in steps[1:])
