@@ -150,8 +150,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                                 "overrides": list(overrides)}) + "\n")
     rank_devices = [devices[r[0]] for r in plan.rollout]
     weights = await trainer.export_weights_async()
-    engines = [Engine(graphdef, jax.device_put(weights, d), cfg.model, rcfg, seed=cfg.seed,
-                      version=trainer.version) for d in rank_devices]
+    engines = [Engine(trainer.serving_graphdef, jax.device_put(weights, d), cfg.model, rcfg,
+                      seed=cfg.seed, version=trainer.version) for d in rank_devices]
     ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
              for i, e in enumerate(engines)]
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"

@@ -51,6 +51,13 @@ class ModelConfig:
     compute_dtype: DType = "float32"
     max_seq_len: int = 2048
     init_std: float = 0.02
+    scan_layers: bool = False
+    """Store the blocks' parameters stacked (one array per kind with a leading layer axis) and
+    run the training forward as one `lax.scan` over them: one compiled block (faster compiles
+    of deep models) and, with trainer.remat, a backward that recomputes one block at a time
+    (XLA:CPU overlaps several blocks' recomputations of an unrolled stack). A layout choice of
+    the run, not of the checkpoint: HF import/export and `model.init_from` convert; engines are
+    fed per-layer weights (`policy.serving_params`). Built-in decoder only."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -79,6 +86,9 @@ class ModelConfig:
                 raise ConfigError(f"config key 'model.rope_original_max_len'="
                                   f"{self.rope_original_max_len} must be positive; set the "
                                   "pre-training context length")
+        if self.scan_layers and self.policy != "decoder":
+            raise ConfigError(f"config key 'model.scan_layers'=true needs the built-in decoder, "
+                              f"not model.policy={self.policy!r}; set model.scan_layers=false")
         if self.policy != "decoder" and ":" not in self.policy:
             raise ConfigError(
                 f"config key 'model.policy'={self.policy!r}: use 'decoder' or "
