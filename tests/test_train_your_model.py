@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
-# The README's CPU smoke preset as written (two steps, a checkpoint at step 2). A tiny random
+# The README's CPU smoke preset as written (four steps, a checkpoint at step 4). A tiny random
 # model never wins the default task, so every group's rewards are equal: keep those groups and
 # let an entropy bonus and a large learning rate move the weights, so the export can be told
 # from the source.
@@ -75,9 +75,10 @@ def test_train_a_checkpoint_and_export_it_back(tmp_path, family):
     assert model["tokenizer"] == str(ckpt)
     assert (model["head_dim"], model["qk_norm"]) == ((16, True) if family == "qwen3" else (8, False))
     assert model["rope_scaling"] == ("llama3" if family == "llama3.2" else "none")
-    assert (run / "checkpoints" / "2").is_dir()
+    assert model["scan_layers"] is True  # the preset's stacked layout, from an HF folder
+    assert (run / "checkpoints" / "4").is_dir()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["consumed_tokens"] > 0, summary
+    assert summary["steps"] == 4 and summary["consumed_tokens"] > 0, summary
     assert summary["rollout"]["tasks_ended"] > 0
 
     _run("tiderl.export", str(run), str(out))
