@@ -34,7 +34,7 @@ def test_preset_and_overrides_compose():
     ("trainer.lr.x=1", "trainer.lr"),
     ("rollout.max_context=100000", "rollout.max_context"),
     ("rollout.num_pages=2", "rollout.num_pages"),
-    ("rollout.devices_per_rank=2", "rollout.devices_per_rank"),
+    ("rollout.devices_per_rank=3", "rollout.devices_per_rank"),
     ("rollout.stop_tokens=[-1]", "rollout.stop_tokens"),
 ])
 def test_bad_inputs_name_the_key(override, key):

@@ -1,4 +1,6 @@
-"""Task sources: deterministic, shardable, checkpointable group streams; disjoint splits."""
+"""Task streams: suite seeds and task files through the run's grain pipeline (deterministic,
+reshuffled each epoch, shardable, checkpointable mid-epoch); disjoint splits; task files'
+rows reach the task specs."""
 
 from __future__ import annotations
 
@@ -8,8 +10,11 @@ import sys
 
 import pytest
 
+from tiderl.configlib import ConfigError
+from tiderl.data import GrainTaskStream, task_streams
 from tiderl.envs.config import EnvConfig
-from tiderl.envs.tasks import TaskSource, TaskStream, eval_tasks, grain_iterator
+from tiderl.envs.taskfile import FileSource, read_rows
+from tiderl.envs.tasks import TaskSource, eval_tasks
 
 
 def take(it, n):
@@ -20,9 +25,13 @@ def src(split="train", groups=10, group_size=4, **kw):
     return TaskSource("default", split, groups=groups, group_size=group_size, **kw)
 
 
+def stream(source=None, **kw):
+    kw.setdefault("shuffle", True)
+    return GrainTaskStream(source or src(), **kw)
+
+
 def test_groups_share_a_seed_and_tasks_have_unique_ids():
-    stream = TaskStream(src())
-    groups = take(stream, 25)  # 2.5 epochs
+    groups = take(stream(), 25)  # 2.5 epochs
     ids = [t["task_id"] for g in groups for t in g["tasks"]]
     assert len(ids) == len(set(ids)) == 100
     for g in groups:
@@ -32,92 +41,165 @@ def test_groups_share_a_seed_and_tasks_have_unique_ids():
 
 
 def test_every_train_epoch_is_a_fresh_permutation_of_the_split():
-    groups = take(TaskStream(src()), 30)
+    groups = take(stream(), 30)
     epochs = [[g["env_seed"] for g in groups[i:i + 10]] for i in (0, 10, 20)]
     assert all(sorted(e) == sorted(epochs[0]) for e in epochs)
     assert len({tuple(e) for e in epochs}) == 3
     assert [g["epoch"] for g in groups] == [0] * 10 + [1] * 10 + [2] * 10
+    plain = take(stream(shuffle=False), 12)
+    assert [g["env_seed"] for g in plain] == [src().env_seed(g) for g in [*range(10), 0, 1]]
 
 
 def test_streams_are_deterministic_and_seeded():
-    a = [g["env_seed"] for g in take(TaskStream(src()), 20)]
-    assert a == [g["env_seed"] for g in take(TaskStream(src()), 20)]
-    assert a != [g["env_seed"] for g in take(TaskStream(src(task_seed=2)), 20)]
+    a = [g["env_seed"] for g in take(stream(), 20)]
+    assert a == [g["env_seed"] for g in take(stream(), 20)]
+    assert a != [g["env_seed"] for g in take(stream(seed=2), 20)]
 
 
 def test_train_and_eval_splits_are_disjoint():
     cfg = EnvConfig(train_groups=500, eval_groups=64, group_size=2)
-    train = {t["seed"] for g in TaskStream(TaskSource.from_config(cfg, "train"), num_epochs=1)
+    train = {t["seed"] for g in stream(TaskSource.from_config(cfg, "train"), num_epochs=1)
              for t in g["tasks"]}
     evals = eval_tasks(cfg)
     assert len(evals) == 128 and len(train) == 500
     assert not train & {t["seed"] for t in evals}
-    # Eval runs once, in order.
-    assert [t["group_id"] for t in evals[::2]] == [f"eval/e0/g{i}" for i in range(64)]
+    _, eval_groups = task_streams(cfg)  # what a run evaluates: the whole split, in order
+    assert [g["group_id"] for g in eval_groups] == [f"eval/e0/g{i}" for i in range(64)]
 
 
 @pytest.mark.parametrize("shard_count", [1, 3])
 def test_shards_are_disjoint_and_cover_the_stream(shard_count):
-    whole = [g["group_id"] for g in TaskStream(src(), num_epochs=2)]
-    shards = [[g["group_id"] for g in TaskStream(src(), shard_index=s, shard_count=shard_count,
-                                                   num_epochs=2)] for s in range(shard_count)]
+    whole = [g["group_id"] for g in stream(num_epochs=2)]
+    shards = [[g["group_id"] for g in stream(shard_index=s, shard_count=shard_count,
+                                             num_epochs=2)] for s in range(shard_count)]
     assert sorted(sum(shards, [])) == sorted(whole) and len(whole) == 20
     for s, ids in enumerate(shards):
         assert ids == whole[s::shard_count]
 
 
 @pytest.mark.parametrize("shard", [(0, 1), (1, 3)])
-def test_grain_iterator_equals_the_jax_free_stream_and_resumes(shard):
+def test_state_resumes_mid_epoch_and_positions_regenerate(shard):
     i, n = shard
-    grain_it = grain_iterator(src(), shard_index=i, shard_count=n)
-    plain = TaskStream(src(), shard_index=i, shard_count=n)
-    assert take(grain_it, 7) == take(plain, 7)
-    state = json.loads(json.dumps(grain_it.get_state()))  # JSON-able, as orbax stores it
-    assert state == plain.get_state()
-    expected = take(grain_it, 5)
-    fresh = grain_iterator(src(), shard_index=i, shard_count=n)
-    fresh.set_state(state)
-    resumed = TaskStream(src(), shard_index=i, shard_count=n)
+    it = stream(shard_index=i, shard_count=n)
+    first = take(it, 7)
+    state = json.loads(json.dumps(it.get_state()))  # JSON, as the checkpoint stores it
+    expected = take(it, 5)
+    resumed = stream(shard_index=i, shard_count=n)
     resumed.set_state(state)
-    assert take(fresh, 5) == expected == take(resumed, 5)
+    assert resumed.position == 7 and take(resumed, 5) == expected
+    # A group in flight at the checkpoint is regenerated by its position.
+    assert [resumed.element(k) for k in (2, 6)] == [first[2], first[6]]
+    legacy = stream(shard_index=i, shard_count=n)  # a checkpoint from before grain state
+    legacy.set_state({"next_index": 7})
+    assert take(legacy, 5) == expected
 
 
-def test_grain_iterator_checkpoints_with_orbax(tmp_path):
-    grain = pytest.importorskip("grain")
-    ocp = pytest.importorskip("orbax.checkpoint")
-    it = grain_iterator(src())
+def test_finite_epochs_end_the_stream():
+    it = stream(num_epochs=2)
+    assert len(take(it, 20)) == 20
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_state_goes_through_an_orbax_checkpoint(tmp_path):
+    """The controller's data_state (stream state + pending positions) is the checkpoint's JSON
+    metadata: a real orbax save and restore continues the stream exactly."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    it = stream()
     take(it, 13)
-    with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-        mngr.save(1, args=ocp.args.Composite(tasks=grain.checkpoint.CheckpointSave(it)))
+    data_state = {"next_index": it.position, "stream": it.get_state(), "pending": [11, 12]}
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_names=("state", "meta")) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"x": jnp.ones(2)}),
+                                             meta=ocp.args.JsonSave({"data_state": data_state})))
         mngr.wait_until_finished()
-        expected = take(it, 4)
-        restored = grain_iterator(src())
-        mngr.restore(1, args=ocp.args.Composite(tasks=grain.checkpoint.CheckpointRestore(
-            restored)))
+        meta = mngr.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    expected = take(it, 4)
+    cfg = EnvConfig(train_groups=10, group_size=4)
+    restored, _ = task_streams(cfg, meta["data_state"])
     assert take(restored, 4) == expected
+    fresh = stream()
+    assert [restored.element(k) for k in meta["data_state"]["pending"]] == take(fresh, 13)[11:]
+
+
+def test_task_files_rows_become_groups(tmp_path):
+    rows = [{"id": f"q{i}", "question": f"{i}+1", "answer": i + 1} for i in range(6)]
+    jsonl = tmp_path / "tasks.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    parquet = tmp_path / "tasks.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    assert read_rows(str(jsonl)) == read_rows(str(parquet)) == rows
+    cfg = EnvConfig(suite="default", tasks=str(jsonl), eval_tasks=str(parquet), group_size=3,
+                    eval_groups=4)
+    train, evals = task_streams(cfg)
+    groups = take(train, 12)
+    assert sorted(g["group_id"] for g in groups[:6]) == sorted(f"train/e0/q{i}" for i in range(6))
+    assert [g["group_id"] for g in groups[:6]] != [f"train/e0/q{i}" for i in range(6)]  # shuffled
+    t = groups[0]["tasks"][2]
+    row = rows[groups[0]["row"]]
+    assert t == {**row, "task_id": f"{groups[0]['group_id']}/m2",
+                 "group_id": groups[0]["group_id"], "member": 2, "split": "train",
+                 "suite": "default"}
+    assert [g["group_id"] for g in evals] == [f"eval/e0/q{i}" for i in range(4)]
+
+
+def test_a_saved_datasets_folder_is_a_task_file(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": f"say {i}", "answer": str(i)} for i in range(5)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(
+        str(tmp_path / "ds"))
+    assert read_rows(str(tmp_path / "ds")) == rows
+    assert read_rows(str(tmp_path / "ds"), split="eval") == rows[:2]
+
+
+def test_bad_task_files_name_the_key_and_the_row(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    for text, match in [('{"a": 1}\nnot json\n', "line 2 is not JSON"),
+                        ('{"task_id": "x"}\n', "row 0 has the field 'task_id'"),
+                        ('{"id": 1}\n{"id": "1"}\n', "row 1 has the id '1' of row 0"),
+                        ('[1, 2]\n', "row 0 is a list")]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match) as e:
+            read_rows(str(bad))
+        assert "env.tasks" in str(e.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        read_rows(str(tmp_path / "none.jsonl"))
+    (tmp_path / "t.csv").write_text("a\n")
+    with pytest.raises(ConfigError, match=".jsonl or .parquet"):
+        read_rows(str(tmp_path / "t.csv"))
+    bad.write_text('{"question": "no prompt"}\n')
+    with pytest.raises(ConfigError, match="neither 'prompt'"):
+        task_streams(EnvConfig(tasks=str(bad), reward="m:f"))
 
 
 def test_bad_inputs_name_the_fix():
     with pytest.raises(ValueError, match="env.train_groups"):
         src(groups=0)
     with pytest.raises(ValueError, match="shard_index"):
-        TaskStream(src(), shard_index=3, shard_count=3)
-    with pytest.raises(ValueError, match="next_index"):
-        TaskStream(src()).set_state({"next_index": "x"})
+        stream(shard_index=3, shard_count=3)
+    with pytest.raises(ValueError, match="position"):
+        stream().set_state({"position": "x"})
+    with pytest.raises(ValueError, match="env.group_size"):
+        FileSource([{}], "train", group_size=0, suite="x")
 
 
 def test_envs_package_imports_without_jax():
     mods = ["tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.config", "tiderl.envs.server",
             "tiderl.envs.client", "tiderl.envs.latency", "tiderl.envs.suites",
-            "tiderl.envs.tasks", "tiderl.envs.templates", "tiderl.envs.__main__",
+            "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards",
+            "tiderl.envs.templates", "tiderl.envs.__main__",
             "tiderl.envs.adapters.base", "tiderl.envs.adapters.default",
             "tiderl.envs.adapters.gym", "tiderl.envs.adapters.textworld",
             "tiderl.envs.adapters.textarena"]
     code = (
         "import sys, importlib\n"
         f"for m in {mods!r}: importlib.import_module(m)\n"
-        "from tiderl.envs.tasks import TaskSource, TaskStream\n"
-        "next(TaskStream(TaskSource('textworld', 'train', groups=4, group_size=2)))\n"
+        "from tiderl.envs.tasks import TaskSource\n"
+        "TaskSource('textworld', 'train', groups=4, group_size=2)[3]\n"
         "bad = sorted(m for m in ('jax', 'flax', 'optax', 'orbax', 'grain') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -1,5 +1,6 @@
 """The entry point: runs on the embedded default and on a preset; bad input exits 2 in one line."""
 
+import json
 import subprocess
 import sys
 
@@ -132,6 +133,7 @@ def test_messages_print_once_even_after_a_library_called_basic_config():
     from rich.logging import RichHandler
 
     from tiderl.launch import setup_logging
+    from tiderl.logs import _PlainHandler
 
     root = logging.getLogger()
     saved = list(root.handlers)
@@ -140,10 +142,38 @@ def test_messages_print_once_even_after_a_library_called_basic_config():
             root.removeHandler(h)
         logging.basicConfig()
         setup_logging()
+        setup_logging()  # idempotent
         kinds = [type(h) for h in root.handlers]
-        assert kinds.count(RichHandler) == 1 and logging.StreamHandler not in kinds
+        # Rich on a terminal, a plain unwrapped line otherwise (here: pytest captures stderr).
+        assert kinds.count(RichHandler) + kinds.count(_PlainHandler) == 1
+        assert logging.StreamHandler not in kinds
     finally:
         for h in list(root.handlers):
             root.removeHandler(h)
         for h in saved:
             root.addHandler(h)
+
+
+def test_a_run_whose_groups_never_train_warns_then_stops_with_a_checkpoint(tmp_path):
+    """The default task made unwinnable (target=0: no hidden number) with a hard limit: the
+    console shows episodes finishing and groups dropped for zero variance, then the starvation
+    warning, then one line saying why the run stopped; exit code 3, a checkpoint on disk."""
+    run_dir = tmp_path / "run"
+    r = run("env.options=[target=0]", "controller.warn_dropped_in_a_row=4",
+            "controller.max_dropped_in_a_row=8", "controller.progress_every_s=0.5",
+            "controller.eval_every=0", "controller.groups_per_step=2", "env.group_size=4",
+            "model.n_layers=1", "model.d_model=32", "model.mlp_dim=64", "model.head_dim=8",
+            f"run_dir={run_dir}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    lines = out.splitlines()
+    progress = [x for x in lines if " INFO filling · episodes: " in x]
+    assert any(", 0 done" not in x and "zero_variance" in x for x in progress), out[-3000:]
+    warned = [i for i, x in enumerate(lines) if "WARNING step 0: the last 4 groups" in x]
+    stopped = [i for i, x in enumerate(lines) if x.startswith("tiderl.launch: stopped:")]
+    assert warned and len(stopped) == 1 and warned[0] < stopped[0], out[-3000:]
+    assert "8 groups in a row could not be trained" in lines[stopped[0]]
+    assert "controller.max_dropped_in_a_row=8" in lines[stopped[0]]
+    assert "Traceback" not in out
+    assert (run_dir / "checkpoints" / "0").is_dir()
+    assert "stopped at step 0" in json.loads((run_dir / "summary.json").read_text())["ended"]

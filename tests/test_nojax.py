@@ -5,15 +5,22 @@ import subprocess
 import sys
 
 NO_JAX = [
-    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster",
+    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster", "tiderl.platforms",
     "tiderl.models", "tiderl.models.config", "tiderl.models.tokenizer",
     "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
-    "tiderl.control.metrics", "tiderl.control.config",
+    "tiderl.control.metrics", "tiderl.control.config", "tiderl.control.progress",
+    "tiderl.control.samples", "tiderl.control.sinks", "tiderl.logs", "tiderl.report",
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
+    "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",
+    "tiderl.envs.health",
+    "tiderl.agents", "tiderl.agents.chat", "tiderl.agents.toolcalls", "tiderl.agents.conversation",
+    "tiderl.agents.endpoint", "tiderl.agents.runner", "tiderl.sim.run",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
     "tiderl.serving.pages", "tiderl.serving.tasktable",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
+    "tiderl.distributed", "tiderl.channel", "tiderl.cells", "tiderl.wire", "tiderl.agent",
+    "tiderl.localworld", "tiderl.supervise", "tiderl.control.promserve",
 ]
 
 

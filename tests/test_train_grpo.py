@@ -89,6 +89,27 @@ def test_cotangent_by_hand():
     np.testing.assert_allclose(cot5_ent, -0.1 * batch["loss_mask_bt"] * (ent < 1.2), rtol=1e-6)
 
 
+def test_clip_fraction_counts_only_clips_that_decide_the_loss():
+    """verl's pg_clipfrac: a token counts when the clipped term is the larger loss — ratio
+    above 1 + ε_high with A > 0, below 1 − ε_low with A < 0; a ratio out of range on the
+    other side (the min picks the unclipped term) or a stale token does not count."""
+    ratio = np.array([1.5, 1.5, 0.5, 0.5, 1.0, 1.5, 1.5])
+    adv = np.array([1.0, -1.0, 1.0, -1.0, 1.0, 0.0, 1.0])
+    versions = np.array([1, 1, 1, 1, 1, 1, 0])  # the last token is stale (version 0 < 1)
+    behav = np.full((1, 7), -1.0, np.float32)
+    logp = (behav + np.log(ratio)).astype(np.float32)
+    batch = {"loss_mask_bt": jnp.ones((1, 7)), "advantages_bt": jnp.asarray(adv[None]),
+             "behaviour_logprobs_bt": jnp.asarray(behav),
+             "segment_ids_bt": jnp.ones((1, 7), jnp.int32),
+             "versions_bt": jnp.asarray(versions[None])}
+    _, m = cotangent(jnp.asarray(logp), jnp.zeros((1, 7)), batch, jnp.int32(1),
+                     LossSpec(kl_coef=0.0, clip_low=0.2, clip_high=0.28))
+    # The reference: verl's torch.gt(pg_losses2, pg_losses) on the fresh tokens, in numpy.
+    clipped = np.clip(ratio, 0.8, 1.28)
+    ref = ((-adv * clipped > -adv * ratio) & (versions == 1)).sum()
+    assert ref == 2 and int(m["clipped_tokens"]) == ref  # tokens 0 (A>0, high), 3 (A<0, low)
+
+
 def test_token_logprobs_shift_and_temperature():
     logits = jax.random.normal(jax.random.key(0), (1, 4, 7))
     tokens = jnp.array([[3, 1, 6, 2]])

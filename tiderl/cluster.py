@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Literal
 
 from tiderl.configlib import ConfigError
+from tiderl.platforms import CPU_LOW_MEMORY_FLAG, Platform, plan_remedy
 
 if TYPE_CHECKING:
     import jax
@@ -18,21 +19,30 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """Where the job runs."""
+    """Where the job runs (per-platform handling: tiderl/platforms.py)."""
 
-    platform: Literal["auto", "cpu", "gpu"] = "auto"
+    platform: Platform = "auto"
+    """'auto' (an accelerator JAX finds, else the CPU), 'cpu', 'gpu' or 'tpu'. An explicit
+    'gpu'/'tpu' that JAX cannot start is an error, never a silent CPU run."""
     fake_cpu_devices: int = 2
     """> 0: when JAX runs on the CPU, split it into this many devices (laptops, tests); sets
-    jax_num_cpu_devices. Ignored when a GPU backend is picked."""
-    colocate_rollout: bool = False
-    """Rollout and training share all devices and alternate (the `sync` baseline)."""
+    jax_num_cpu_devices. A CPU-only setting: ignored with platform 'gpu'/'tpu' (and by 'auto'
+    when an accelerator is found)."""
+    colocate_rollout: bool | Literal["auto"] = "auto"
+    """Rollout and training share devices (the `sync` baseline alternates on them). 'auto':
+    share on an accelerator too small to give them devices of their own (one GPU), keep them
+    apart otherwise and on the CPU."""
+    memory_fraction: float = 0.9
+    """GPU: the share of each GPU XLA's allocator reserves at start
+    (XLA_PYTHON_CLIENT_MEM_FRACTION; an environment value wins). Weights, optimizer state,
+    the engine's KV pool and activations all live inside it."""
 
     def __post_init__(self):
         if self.fake_cpu_devices < 0:
             raise ConfigError("config key 'cluster.fake_cpu_devices' must be >= 0")
-        if self.fake_cpu_devices and self.platform == "gpu":
-            raise ConfigError("config key 'cluster.fake_cpu_devices' needs cluster.platform "
-                              "'cpu' or 'auto'; set one of them")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"config key 'cluster.memory_fraction'={self.memory_fraction} "
+                              "must lie in (0, 1]; e.g. 0.9")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +64,12 @@ class DevicePlan:
 
 
 def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_devices: int,
-                 ref_devices: int, colocate_rollout: bool = False) -> DevicePlan:
+                 ref_devices: int, colocate_rollout: bool = False,
+                 platform: str = "cpu") -> DevicePlan:
     """Lays roles onto devices in order: rollout ranks, then Actor, then Ref.
 
-    Raises ConfigError naming the keys when the roles need more devices than there are.
+    Raises ConfigError naming the keys when the roles need more devices than there are, with
+    the remedy that applies on `platform` (the one JAX started on).
     """
     need_rollout = ranks * devices_per_rank
     if colocate_rollout:
@@ -67,7 +79,7 @@ def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_dev
                 f"config keys 'rollout.ranks'={ranks} × rollout.devices_per_rank="
                 f"{devices_per_rank} / trainer.actor_devices={actor_devices} + "
                 f"trainer.ref_devices={ref_devices} need {need} devices but {n_devices} are "
-                "visible; lower them or raise cluster.fake_cpu_devices"
+                f"visible; lower them {plan_remedy(platform, colocated=True)}"
             )
         rollout = _rank_devices(ranks, devices_per_rank)
         actor = tuple(range(actor_devices))
@@ -79,7 +91,7 @@ def plan_devices(n_devices: int, *, ranks: int, devices_per_rank: int, actor_dev
             f"config key 'rollout.ranks'={ranks}: rollout.ranks × rollout.devices_per_rank "
             f"({need_rollout}) + trainer.actor_devices ({actor_devices}) + trainer.ref_devices "
             f"({ref_devices}) = {need} devices, but {n_devices} are visible; lower rollout.ranks "
-            "or the trainer devices, or raise cluster.fake_cpu_devices"
+            f"or the trainer devices, {plan_remedy(platform)}"
         )
     rollout = _rank_devices(ranks, devices_per_rank)
     actor = tuple(range(need_rollout, need_rollout + actor_devices))
@@ -91,31 +103,34 @@ def _rank_devices(ranks: int, per_rank: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(ranks))
 
 
-CPU_LOW_MEMORY_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+__all__ = ["CPU_LOW_MEMORY_FLAG", "ClusterConfig", "DevicePlan", "init_jax", "plan_devices",
+           "role_meshes"]
 
 
 def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device]:
-    """Configures and starts JAX per `cfg`; returns the visible devices.
+    """Configures and starts JAX per `cfg` (see tiderl/platforms.py); returns the visible
+    devices of the platform it started on.
 
-    `low_memory` (launch passes `trainer.remat`): XLA:CPU's default scheduler orders for
-    concurrency and runs every rematerialised block's recomputation ahead of the backward, all
-    live at once, which undoes remat (XLA's own figure for the backward of a Qwen2.5-0.5B-shaped
-    model at 4 × 1,024 tokens: 24.6 GiB of temporaries, 7.5 GiB with its memory-ordered
-    scheduler). The flag is read when the backend starts; a started backend keeps its own."""
+    `low_memory` (launch passes `trainer.remat`) adds XLA:CPU's memory-ordered scheduler on
+    the CPU (`CPU_LOW_MEMORY_FLAG`). Environment variables and flags are read when a backend
+    starts; a started backend keeps its own."""
     import os
 
     import jax
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if low_memory and CPU_LOW_MEMORY_FLAG.split("=")[0] not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_LOW_MEMORY_FLAG}".strip()
-    if cfg.platform != "auto":
-        jax.config.update("jax_platforms", cfg.platform)
-    if cfg.fake_cpu_devices:
-        # Must happen before the backend starts (XLA_FLAGS after import are ignored); it only
-        # shapes the CPU client, so it is harmless where a GPU backend wins.
-        jax.config.update("jax_num_cpu_devices", cfg.fake_cpu_devices)
-    return list(jax.devices())
+    from tiderl.platforms import check_platform, launch_env
+
+    env = launch_env(cfg.platform, fake_cpu_devices=cfg.fake_cpu_devices,
+                     memory_fraction=cfg.memory_fraction, environ=os.environ,
+                     low_memory=low_memory)
+    os.environ.update(env.env)
+    if env.jax_platforms is not None:
+        jax.config.update("jax_platforms", env.jax_platforms)
+    if env.num_cpu_devices:
+        jax.config.update("jax_num_cpu_devices", env.num_cpu_devices)
+    devices = list(jax.devices())
+    check_platform(cfg.platform, devices[0].platform)
+    return devices
 
 
 def role_meshes(plan: DevicePlan, devices: list[jax.Device], *, fsdp: int = 1,

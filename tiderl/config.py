@@ -22,6 +22,7 @@ from tiderl.configlib import (
     to_dict,
 )
 from tiderl.control.config import ControllerConfig
+from tiderl.distributed import DistributedConfig
 from tiderl.envs.config import EnvConfig
 from tiderl.models.config import ModelConfig
 from tiderl.serving.config import RolloutConfig
@@ -76,6 +77,7 @@ class RunConfig:
     trainer: TrainerConfig = dataclasses.field(default_factory=_default_trainer)
     env: EnvConfig = dataclasses.field(default_factory=_default_env)
     controller: ControllerConfig = dataclasses.field(default_factory=_default_controller)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         if self.rollout.max_context > self.model.max_seq_len:
@@ -92,6 +94,11 @@ class RunConfig:
                 f"{self.rollout.page_size}); raise rollout.num_pages or lower rollout.max_context"
             )
         r = self.rollout
+        if self.model.n_heads % r.devices_per_rank:
+            raise ConfigError(
+                f"config key 'rollout.devices_per_rank'={r.devices_per_rank} does not divide "
+                f"model.n_heads={self.model.n_heads}: a tensor-parallel rank shards attention "
+                "heads over its devices; use a divisor of model.n_heads")
         if r.max_context > self.trainer.row_len:
             raise ConfigError(
                 f"config key 'rollout.max_context'={r.max_context} exceeds trainer.row_len="
@@ -109,15 +116,24 @@ class RunConfig:
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
 
-    def device_plan(self, n_devices: int) -> DevicePlan:
-        colocate = self.cluster.colocate_rollout or self.controller.mode == "sync"
+    def device_plan(self, n_devices: int, platform: str = "cpu") -> DevicePlan:
+        """Roles on `n_devices` devices of `platform` (the one JAX started on): its defaults
+        (`cluster.colocate_rollout=auto`) and the remedy a plan that does not fit names."""
+        from tiderl.platforms import resolve_colocate
+
+        r, t = self.rollout, self.trainer
+        colocate = self.controller.mode == "sync" or resolve_colocate(
+            self.cluster.colocate_rollout, platform=platform, n_devices=n_devices,
+            separate_need=r.ranks * r.devices_per_rank + t.actor_devices + t.ref_devices,
+            colocated_need=max(r.ranks * r.devices_per_rank, t.actor_devices + t.ref_devices))
         return plan_devices(
             n_devices,
-            ranks=self.rollout.ranks,
-            devices_per_rank=self.rollout.devices_per_rank,
-            actor_devices=self.trainer.actor_devices,
-            ref_devices=self.trainer.ref_devices,
+            ranks=r.ranks,
+            devices_per_rank=r.devices_per_rank,
+            actor_devices=t.actor_devices,
+            ref_devices=t.ref_devices,
             colocate_rollout=colocate,
+            platform=platform,
         )
 
     def to_yaml(self) -> str:
@@ -138,7 +154,7 @@ BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaul
 # Model keys the run chooses; every other `model.*` key describes the network's shape, which a
 # checkpoint (`model.checkpoint`, `model.init_from`) defines.
 MODEL_RUN_KEYS = frozenset({"policy", "checkpoint", "init_from", "tokenizer", "param_dtype",
-                            "compute_dtype", "init_std", "scan_layers"})
+                            "compute_dtype", "init_std", "attention_impl", "scan_layers"})
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:

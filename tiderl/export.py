@@ -229,7 +229,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tiderl.logs import setup_logging
+
     args = parse_args(argv)
+    setup_logging()
     try:
         import numpy as np
 

@@ -8,27 +8,30 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import jax
-
+from tiderl.agents.runner import episode_backend
 from tiderl.config import RunConfig
+from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
-from tiderl.control.controller import Controller, Hooks
+from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
 from tiderl.control.ers import Roles
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.client import EnvClient
-from tiderl.envs.server import endpoint
-from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.control.progress import starvation_advice
+from tiderl.control.samples import SampleWriter
+from tiderl.data import task_streams
+from tiderl.envs.config import with_default_token
+from tiderl.envs.health import env_url_error
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
-from tiderl.train.backend import TrainerBackend
+from tiderl.serving.weights import serving_weights
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.dispatch import microbatches
 from tiderl.train.ref_actor import dp_size
@@ -110,29 +113,68 @@ def trim_metrics(run_dir: Path, step: int) -> int:
     return len(drop)
 
 
+async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
+                      rcfg: Any) -> tuple[list[RolloutRank], Any]:
+    """One process's rollout ranks, an engine each on its device or tensor-parallel cell
+    (`rollout.devices_per_rank`), and the sync hook: one trainer replica resharded into each
+    rank's layout device to device (`tiderl.weightsync`), off the event loop so env I/O keeps
+    flowing; it returns the sync's bytes and GB/s for the step's record."""
+    from tiderl.weightsync import local_replica, put_local, rank_shardings
+
+    targets = [rank_shardings(trainer.serving_abstract, m) for m in meshes["rollout"]]
+    # Engines serve the weights in the compute dtype (bf16 runs: half the bytes per decode
+    # step, same values; serving/weights.py); the cast runs off the event loop too.
+    def place(exported: Any) -> Any:
+        return put_local(local_replica(serving_weights(exported, cfg.model)), targets)
+
+    first, _ = await asyncio.to_thread(place, await trainer.export_weights_async())
+    engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
+               for w in first]
+    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
+             for i, e in enumerate(engines)]
+
+    async def sync_weights(exported: Any, version: int) -> dict:
+        trees, stats = await asyncio.to_thread(place, exported)
+        await asyncio.gather(*(r.update_weights(t, version)
+                               for r, t in zip(ranks, trees, strict=True)))
+        return stats.metrics()
+
+    return ranks, sync_weights
+
+
 async def run_job(cfg: RunConfig, *, resume: bool = False,
                   overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """Runs the configured job to the end; returns the final summary.
 
     A new run writes its resolved `config.yaml`; a resumed one keeps it and appends the
     `overrides` it was resumed with to `resumes.jsonl`."""
+    from tiderl.hosts import site_for
     from tiderl.launch import build
 
+    site = site_for(cfg)  # this process alone, or process 0 of several (tiderl.hosts)
+    if site.follower:  # another process of a multi-host world: its host agent, to the end
+        return await site.follow(resume)
+    if why := await asyncio.to_thread(env_url_error, cfg.env):  # before any device work
+        raise ConfigError(why)
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    devices, plan, meshes, graphdef, params = build(cfg)
+        (run_dir / "config.yaml").write_text(site.config_yaml(cfg))
+    await site.ready()
+    t0 = time.monotonic()
+    devices, plan, meshes, graphdef, params = build(cfg)  # bad device plans fail in here, first
+    log.info("starting: %s × %d devices, policy built (%.1fs)", devices[0].platform,
+             len(devices), time.monotonic() - t0)
     tok = load_tokenizer(cfg.model.tokenizer)
     template = template_for(tok, "auto")
     rcfg = rollout_config_for(cfg, template)
     tcfg = trainer_config_for_mode(cfg)
     ref_mesh = meshes["ref"] if plan.ref else None
-    trainer = TrainerBackend(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
-                             temperature=rcfg.temperature, seed=cfg.seed,
-                             policy=(graphdef, params))
+    trainer = site.trainer(tcfg, cfg.model, actor_mesh=meshes["actor"], ref_mesh=ref_mesh,
+                           temperature=rcfg.temperature, seed=cfg.seed,
+                           policy=(graphdef, params))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.controller.keep_checkpoints)
     start_step, data_state = 0, {"next_index": 0, "pending": []}
     if resume:
@@ -148,35 +190,24 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         with (run_dir / "resumes.jsonl").open("a") as f:
             f.write(json.dumps({"from_step": start_step, "at": time.time(),
                                 "overrides": list(overrides)}) + "\n")
-    rank_devices = [devices[r[0]] for r in plan.rollout]
-    weights = await trainer.export_weights_async()
-    engines = [Engine(trainer.serving_graphdef, jax.device_put(weights, d), cfg.model, rcfg,
-                      seed=cfg.seed, version=trainer.version) for d in rank_devices]
-    ranks = [RolloutRank(i, e, max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots))
-             for i, e in enumerate(engines)]
+    # Engines on each rank's device or tensor-parallel cell; on several processes, remote
+    # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
+    # The engines run the trainer's serving layout (per layer under model.scan_layers).
+    ranks, sync_weights = await site.ranks(cfg, trainer, trainer.serving_graphdef, meshes, rcfg)
+    log.info("starting: trainer and %d rollout rank(s) ready (%.1fs); the first turns and the "
+             "first step compile", len(ranks), time.monotonic() - t0)
     sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-    capacity = rcfg.num_pages * rcfg.page_size
-    sched = make_scheduler(sched_kind, cfg.rollout.ctb, [capacity] * len(ranks),
+    # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory);
+    # a rank on another process is budgeted at the configured rollout.num_pages.
+    capacities = [(r.engine.cfg if hasattr(r, "engine") else rcfg).num_pages * rcfg.page_size
+                  for r in ranks]
+    sched = make_scheduler(sched_kind, cfg.rollout.ctb, capacities,
                            max_context=rcfg.max_context, max_tasks_per_rank=rcfg.max_slots)
     sched.cfg.check_group_size(cfg.env.group_size)
 
-    async def sync_weights(exported: Any, version: int) -> None:
-        async def one(rank: RolloutRank, device: Any) -> None:
-            # The copy runs off the event loop: env I/O keeps flowing during a sync.
-            await rank.update_weights(await asyncio.to_thread(jax.device_put, exported, device),
-                                      version)
+    train_stream, eval_groups = task_streams(cfg.env, data_state)
 
-        await asyncio.gather(*(one(r, d) for r, d in zip(ranks, rank_devices, strict=True)))
-
-    train_stream = TaskStream(TaskSource.from_config(cfg.env, "train"))
-    train_stream.set_state({"next_index": int(data_state.get("next_index", 0))})
-    eval_src = TaskSource.from_config(cfg.env, "eval")
-    eval_groups = [eval_src.element(k) for k in range(eval_src.groups)]  # env.eval_groups
-
-    async def checkpoint(step: int, state: dict) -> None:
-        # On the trainer's worker thread: the save's device→host copy (and a swap back from
-        # host memory) must neither block the event loop nor race the trainer's own work.
-        await asyncio.wrap_future(trainer.call(lambda: ckpt.save(trainer, data_state=state)))
+    checkpoint = site.checkpoint(trainer, ckpt)
 
     order = "decoupled" if trainer.mode == "decoupled" else "colocated"
     hooks = Hooks(sync_weights=sync_weights,
@@ -186,35 +217,56 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,
                              zero_var=cfg.trainer.zero_var_groups, adv_eps=cfg.trainer.adv_eps)
-    metrics = MetricsSink(run_dir, console=cfg.controller.console,
-                          prometheus_port=cfg.controller.prometheus_port,
-                          total_steps=cfg.controller.steps)
+    c = cfg.controller
+    metrics = MetricsSink(run_dir, console=c.console, prometheus_port=c.prometheus_port,
+                          prometheus_host=c.prometheus_host, prometheus_token=c.prometheus_token,
+                          total_steps=c.steps, loggers=c.loggers,
+                          progress_every_s=c.progress_every_s, wandb_project=c.wandb_project,
+                          wandb_mode=c.wandb_mode, run_config=to_dict(cfg))
     summary: dict = {}
     try:
         for r in ranks:
             await r.start()
-        async with endpoint(cfg.env) as url, EnvClient(url, cfg.env) as env:
+        system = cfg.controller.system_prompt or None
+        env_cfg, _ = with_default_token(cfg.env)  # an exposed in-process server gets a token
+        async with episode_backend(env_cfg, template, max_action_tokens=rcfg.max_action_tokens,
+                                   temperature=rcfg.temperature, system=system) as (env, runner):
             manager = RolloutManager(ranks, sched, env, template,
-                                     max_turns=cfg.env.max_turns,
-                                     system=cfg.controller.system_prompt or None,
-                                     eval_temperature=cfg.controller.eval_temperature)
+                                     max_turns=cfg.env.max_turns, system=system,
+                                     eval_temperature=cfg.controller.eval_temperature,
+                                     runner=runner)
             controller = Controller(
                 cfg.controller, manager=manager, trainer=trainer, hooks=hooks,
                 train_stream=train_stream, eval_groups=eval_groups, metrics=metrics,
                 buffer=buffer, roles=Roles(len(ranks), len(plan.actor), len(plan.ref)),
-                start_step=start_step, pending=data_state.get("pending", []))
-            summary = await controller.run()
+                start_step=start_step, pending=data_state.get("pending", []),
+                samples=SampleWriter(run_dir, tok.decode, c.eval_samples),
+                advice=starvation_advice(cfg))
+            try:
+                summary = await controller.run()
+            except (StarvedStop, NonFiniteStop) as e:
+                # Stopped on purpose: the folder still says why (summary.json) before launch
+                # prints the one-line reason.
+                summary = {"ended": str(e), **getattr(e, "summary", {})}
+                (run_dir / "summary.json").write_text(json.dumps(summary, indent=2,
+                                                                 default=str))
+                raise
             summary["rollout"] = {k: v for k, v in manager.stats().items() if k != "per_rank"}
+            site.annotate(summary, ranks)
     finally:
         metrics.close()
         for r in ranks:
             await r.close()
+        await site.finish(trainer, sys.exc_info()[1])  # several processes: theirs end here
         ckpt.wait()
         ckpt.close()
         trainer.close()
+        await site.leave()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if summary.get("steps"):
-        from tiderl.report import write_plots
+        from tiderl.report import write_plots, write_report
 
-        summary["plots"] = [str(p) for p in write_plots(run_dir)]
+        plots = write_plots(run_dir)
+        summary["plots"] = [str(p) for p in plots]
+        summary["report"] = str(write_report(run_dir, plots))
     return summary

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
-from tiderl.control.controller import NonFiniteStop
-from tiderl.serving.rollout import RolloutFailedError
+from tiderl.distributed import WorldError
+from tiderl.logs import setup_logging
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
   python -m tiderl.launch --config configs/tiny-8dev.yaml trainer.lr=1e-5 rollout.ranks=2
-sections: model, cluster, rollout, trainer, env, controller (see README "Configuration");
+sections: model, cluster, rollout, trainer, env, controller, distributed (README
+"Configuration", "Several hosts");
 values are YAML (numbers, true/false, [lists]).
 """
 
@@ -41,20 +42,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest checkpoint (its saved "
                         "config.yaml is the base; overrides still apply)")
+    hosts = p.add_argument_group(
+        "several hosts", "one process per host, all in one JAX world (README 'Several hosts'); "
+        "shorthands for distributed.coordinator / num_processes / process_id")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT|auto",
+                       help="process 0's address (the same on every process), or auto to take "
+                            "the world from SLURM / torchrun-style / JAX_* variables")
+    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes in the world")
+    hosts.add_argument("--process-id", type=int, metavar="I",
+                       help="this process's index, 0..N-1 (0 runs the controller)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted overrides applied after the preset")
     # Overrides may come before, between or after the flags.
     return p.parse_intermixed_args(argv)
 
 
+def world_overrides(args: argparse.Namespace) -> list[str]:
+    """The several-hosts flags as the config overrides they stand for."""
+    out = []
+    for flag, key in (("coordinator", "coordinator"), ("num_processes", "num_processes"),
+                      ("process_id", "process_id")):
+        if getattr(args, flag) is not None:
+            out.append(f"distributed.{key}={getattr(args, flag)}")
+    return out
+
+
 def validate(cfg: RunConfig) -> None:
     """The checks RunConfig cannot make without importing the user's policy module or reading the
     tokenizer file; run before any work. A ConfigError names the key and the fix."""
+    check_env(cfg)  # first: it needs no JAX, so a wrong env.url fails within seconds
+    from tiderl.control.sinks import check_loggers
     from tiderl.envs.templates import template_for
-    from tiderl.models.policy import check_policy
+    from tiderl.models.policy import check_policy  # imports JAX (seconds)
     from tiderl.models.tokenizer import load_tokenizer
 
     check_policy(cfg.model)
+    check_loggers(cfg.controller.loggers)
     try:
         tok = load_tokenizer(cfg.model.tokenizer)
         template = template_for(tok, "auto")
@@ -73,18 +96,47 @@ def validate(cfg: RunConfig) -> None:
             "Llama 3)")
 
 
+def check_env(cfg: RunConfig) -> None:
+    """The env side before any work: user code named by env.suite/env.reward/env.agent imports,
+    task files read, and env.url answers /health within seconds (one line naming it if not)."""
+    from tiderl.envs.health import env_url_error
+    from tiderl.envs.suites import adapter_class, load_object
+    from tiderl.envs.taskfile import check_chat_rows, read_rows
+
+    env = cfg.env
+    if env.kind == "env":
+        try:
+            adapter_class(env.suite_name)
+        except (ValueError, ModuleNotFoundError) as e:
+            raise ConfigError(f"config key 'env.suite'={env.suite!r}: {e}") from e
+    for key, spec in (("env.reward", env.reward), ("env.agent", env.agent)):
+        if spec and not callable(load_object(spec, key)):
+            raise ConfigError(f"config key '{key}'={spec!r} is not callable")
+    for key, path, split in (("env.tasks", env.tasks, "train"),
+                             ("env.eval_tasks", env.eval_tasks, "eval")):
+        if path:
+            rows = read_rows(path, key=key, split=split)
+            if env.kind == "single_turn":
+                check_chat_rows(rows, key, path)
+    if why := env_url_error(env):
+        raise ConfigError(why)
+
+
 def build(cfg: RunConfig):
     """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
     import jax
 
+    from tiderl.cells import device_plan_for
     from tiderl.cluster import init_jax, role_meshes
+    from tiderl.distributed import initialize
     from tiderl.models.policy import abstract_policy, check_contract, init_policy
 
+    world = initialize(cfg.distributed)  # before any JAX backend starts; one process: no-op
     if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
         # Validate the plan before JAX starts when the device count is known up front.
-        cfg.device_plan(cfg.cluster.fake_cpu_devices)
+        device_plan_for(cfg, world.size, cfg.cluster.fake_cpu_devices)
     devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
-    plan = cfg.device_plan(len(devices))
+    plan = device_plan_for(cfg, world.size, len(devices) // world.size, devices[0].platform)
     meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
                          model_parallel=cfg.trainer.model_parallel)
     # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
@@ -112,6 +164,23 @@ def build(cfg: RunConfig):
     return devices, plan, meshes, graphdef, params
 
 
+def describe_world(cfg: RunConfig, plan, n_devices: int) -> str:
+    """The device plan, and on several processes the cells each one holds."""
+    from tiderl.cells import role_map
+    from tiderl.distributed import current
+
+    world = current()
+    if world.size == 1:
+        return plan.describe()
+    lines = [world.describe(), plan.describe()]
+    cells = role_map(plan, local_devices=n_devices // world.size, fsdp=cfg.trainer.fsdp,
+                     model_parallel=cfg.trainer.model_parallel).cells
+    for c in cells:
+        lines.append(f"  cell (process {c.process}, local devices {list(c.local)}): "
+                     f"{c.role} {c.index}")
+    return "\n".join(lines)
+
+
 def describe_policy(cfg: RunConfig, params) -> str:
     import jax
     import numpy as np
@@ -128,6 +197,7 @@ def describe_policy(cfg: RunConfig, params) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     try:
         preset = args.config
         if args.resume:
@@ -135,58 +205,76 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not Path(preset).is_file():
                 raise ConfigError(f"--resume {args.resume}: no config.yaml there; pass the run "
                                   "folder a previous tiderl.launch wrote")
-        overrides = list(args.overrides)
+        overrides = list(args.overrides) + world_overrides(args)
         if args.resume:
             overrides.append(f"run_dir={args.resume}")
         cfg = load_config(preset, overrides)
         if args.print_config:
             print(cfg.to_yaml(), end="")
             return 0
+        if cfg.distributed.coordinator and not args.plan:
+            from tiderl.supervise import supervise, supervised
+
+            if not supervised():  # the job runs in a child; its end becomes one clear line
+                return supervise(sys.argv[1:] if argv is None else list(argv),
+                                 coordinator=cfg.distributed.coordinator,
+                                 process_id=args.process_id, run_dir=cfg.run_dir)
         validate(cfg)
         if args.plan:
+            import os
+
+            from tiderl.platforms import launch_env
+
+            c = cfg.cluster
+            settings = launch_env(c.platform, fake_cpu_devices=c.fake_cpu_devices,
+                                  memory_fraction=c.memory_fraction, environ=os.environ,
+                                  low_memory=cfg.trainer.remat).notes
             devices, plan, _meshes, _graphdef, params = build(cfg)
-            print(f"tiderl: {devices[0].platform} × {len(devices)}; mode={cfg.controller.mode}")
-            print(plan.describe())
+            print(f"tiderl: {devices[0].platform} × {len(devices)} ({devices[0].device_kind}); "
+                  f"mode={cfg.controller.mode}")
+            for line in settings:
+                print(f"  {line}")
+            print(describe_world(cfg, plan, len(devices)))
             print(describe_policy(cfg, params))
             return 0
-        import asyncio
-
-        from tiderl.job import run_job
-
-        setup_logging()
-        summary = asyncio.run(run_job(cfg, resume=bool(args.resume),
-                                      overrides=tuple(args.overrides)))
+        summary = _run(cfg, args)
     except (ConfigError, FileNotFoundError) as e:
         print(f"tiderl.launch: error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteStop, RolloutFailedError) as e:
+    except _Stopped as e:
+        print(f"tiderl.launch: stopped: {e.__cause__}", file=sys.stderr)
+        return 3
+    except WorldError as e:  # a process of a multi-host world went missing
         print(f"tiderl.launch: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("tiderl.launch: interrupted", file=sys.stderr)
         return 130
+    if cfg.distributed.coordinator and "process" in summary:  # a host agent: no report
+        print(f"tiderl.launch: process {summary['process']}: {summary['ended']}")
+        return 0
     print_report(cfg, summary)
     return 0
 
 
-def setup_logging() -> None:
-    """tiderl's own messages (info and up) and everyone's warnings go to the console, above the
-    progress line; JAX/orbax info chatter stays quiet."""
-    import logging
+class _Stopped(Exception):
+    """The run stopped itself (non-finite updates, starvation, no rollout rank left); the cause
+    says why."""
 
-    from rich.logging import RichHandler
 
-    root = logging.getLogger()
-    # A library's module-level logging.warning() may have installed a plain stderr handler
-    # (logging.basicConfig's); with it every message would print twice.
-    for h in list(root.handlers):
-        if type(h) is logging.StreamHandler:
-            root.removeHandler(h)
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        handler = RichHandler(show_path=False, log_time_format="[%X]")
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-    logging.getLogger("tiderl").setLevel(logging.INFO)
+def _run(cfg: RunConfig, args: argparse.Namespace) -> dict:
+    # Imported here: the control plane and JAX load only once the config checked out.
+    import asyncio
+
+    from tiderl.control.controller import NonFiniteStop, StarvedStop
+    from tiderl.job import run_job
+    from tiderl.serving.rollout import RolloutFailedError
+
+    try:
+        return asyncio.run(run_job(cfg, resume=bool(args.resume),
+                                   overrides=tuple(args.overrides)))
+    except (NonFiniteStop, StarvedStop, RolloutFailedError) as e:
+        raise _Stopped from e
 
 
 def print_report(cfg: RunConfig, s: dict) -> None:
@@ -210,14 +298,18 @@ def print_report(cfg: RunConfig, s: dict) -> None:
          f"({s.get('eval_success_best', float('nan')):.3f})"),
         ("dropped groups", s.get("dropped")), ("failed tasks", s.get("failed_tasks")),
         ("non-finite updates skipped", s.get("nonfinite_skipped")),
+        *[(f"{label} (last step)", s["last"][key]) for label, key in (
+            ("policy loss", "pg_loss"), ("entropy", "entropy"),
+            ("response tokens", "response_len_mean"), ("turns per episode", "turns_mean"))
+          if key in s.get("last", {})],
     ]
     for k, v in rows:
         t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
     Console().print(t)
     if s.get("ended"):
         print(f"ended: {s['ended']}")
-    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, plots/; "
-          f"python -m tiderl.report {cfg.run_dir})")
+    print(f"run folder: {cfg.run_dir} (config.yaml, metrics.jsonl, checkpoints/, samples/, "
+          f"plots/, report.md; python -m tiderl.report {cfg.run_dir})")
 
 
 if __name__ == "__main__":

@@ -39,9 +39,43 @@ class ControllerConfig:
     min_ok_per_group: int = 2
     """A group trains on its tasks that ended with a verdict when at least this many did
     (others failed in the env); otherwise the whole group is dropped and counted."""
+    warn_dropped_in_a_row: int = 16
+    """Warn (on the console, with what it means and what to try) once this many groups in a
+    row ended without becoming trainable (zero reward variance, too few tasks ok), then each
+    time that count doubles (0: never)."""
+    max_dropped_in_a_row: int = 0
+    """Stop the run (checkpoint, one-line reason, exit code 3) once this many groups in a row
+    were dropped (DAPO's bound on generation batches; 0: no limit)."""
+    warn_starved_s: float = 300.0
+    """Warn when the trainer has waited this long for its next trainable group, dropped
+    groups or not (e.g. a slow env: no group ends at all), then each time that doubles
+    (0: never)."""
+    max_starved_s: float = 0.0
+    """Stop the run like `max_dropped_in_a_row` once the trainer waited this long (0: no
+    limit); `time_limit_s` still bounds the whole run."""
     console: bool = True
+    """A live progress line (rollout while a step fills, then the step's numbers) and the
+    final report. On a terminal the line redraws every second; otherwise (a pipe, a log file)
+    a plain line is logged every `progress_every_s`."""
+    progress_every_s: float = 10.0
+    """Seconds between the plain progress lines when the console is not a terminal."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where step and eval records go besides the console: jsonl (`metrics.jsonl`, always
+    written: resume and `tiderl.report` read it), tensorboard (event files in
+    `<run_dir>/tensorboard`, tensorboardX) and wandb (`<run_dir>/wandb`); both extras come
+    with `pip install -e '.[logging]'`."""
+    wandb_project: str = "tiderl"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes the W&B run folder without network (`wandb sync` uploads it later)."""
+    eval_samples: int = 8
+    """Trajectories of each evaluation decoded to `<run_dir>/samples/step_K.jsonl` (and one
+    shown on the console); 0 writes none."""
     prometheus_port: int = -1
-    """Serve Prometheus metrics on 127.0.0.1:PORT (0: any free port, -1: off)."""
+    """Serve Prometheus metrics on prometheus_host:PORT (0: any free port, -1: off)."""
+    prometheus_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds (loopback unless you mean to expose it)."""
+    prometheus_token: str = ""
+    """Bearer token the endpoint requires; off loopback one is generated (and logged) if unset."""
     time_limit_s: float = 0.0
     """Stop after this much wall time (0: no limit); the run still evaluates and reports."""
     system_prompt: str = ""
@@ -54,11 +88,20 @@ class ControllerConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'controller.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
-        for name in ("max_staleness", "eval_every", "checkpoint_every", "min_groups_per_step"):
+        for name in ("max_staleness", "eval_every", "checkpoint_every", "min_groups_per_step",
+                     "warn_dropped_in_a_row", "max_dropped_in_a_row", "warn_starved_s",
+                     "max_starved_s", "eval_samples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'controller.{name}' must be >= 0")
         if self.min_groups_per_step > self.groups_per_step:
             raise ConfigError("config key 'controller.min_groups_per_step' must not exceed "
                               "controller.groups_per_step (B_min ≤ B_ideal)")
+        if self.progress_every_s <= 0:
+            raise ConfigError("config key 'controller.progress_every_s' must be positive")
+        if "jsonl" not in self.loggers:
+            raise ConfigError(
+                f"config key 'controller.loggers'={list(self.loggers)} lacks 'jsonl': "
+                "metrics.jsonl is the run's record (resume and tiderl.report read it); add "
+                "it, e.g. controller.loggers=[jsonl,tensorboard]")
         if self.min_ok_per_group < 1:
             raise ConfigError("config key 'controller.min_ok_per_group' must be >= 1")

@@ -31,8 +31,10 @@ from typing import Any, Protocol
 from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
 from tiderl.control.ers import KeepSplit, Planner, Roles
-from tiderl.control.metrics import MetricsSink
-from tiderl.envs.tasks import TaskStream
+from tiderl.control.metrics import MetricsSink, trajectory_metrics
+from tiderl.control.progress import snapshot
+from tiderl.control.samples import SampleWriter
+from tiderl.control.starvation import Starvation, Starved
 from tiderl.serving.rollout import RolloutManager
 
 log = logging.getLogger(__name__)
@@ -50,20 +52,50 @@ class TrainerPort(Protocol):
     async def export_weights_async(self) -> Any: ...
 
 
+class TaskStreamPort(Protocol):
+    """The task stream the controller draws groups from (`tiderl.data.GrainTaskStream` in a
+    run; any JAX-free iterator of the same shape in the simulator)."""
+
+    position: int
+    """Index of the group the next `next()` returns."""
+
+    def __next__(self) -> dict: ...
+
+    def element(self, k: int) -> dict:
+        """The group at position k (regenerating groups in flight at a checkpoint)."""
+        ...
+
+    def get_state(self) -> dict: ...
+
+
 class _TimeUp(Exception):
     """The run's time limit passed while it waited for data."""
+
+
+class _StreamEnded(Exception):
+    """The task stream ran out (env.epochs) and everything it gave was trained or dropped."""
 
 
 class NonFiniteStop(RuntimeError):
     """Too many consecutive non-finite updates; the run stopped with a checkpoint."""
 
 
+class StarvedStop(RuntimeError):
+    """No group became trainable for `controller.max_dropped_in_a_row` groups (or
+    `controller.max_starved_s` seconds); the run stopped with a checkpoint."""
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+
 @dataclasses.dataclass
 class Hooks:
     """JAX-side work the controller triggers (provided by `tiderl.job`, or fakes in tests)."""
 
-    sync_weights: Callable[[Any, int], Awaitable[None]]
-    """Moves exported weights (version v) to every rollout rank; stale KV is flushed there."""
+    sync_weights: Callable[[Any, int], Awaitable[dict | None]]
+    """Moves exported weights (version v) to every rollout rank; stale KV is flushed there.
+    May return figures of the sync (e.g. `sync_gbps`) for the step's metrics record."""
     make_microbatches: Callable[[list[Any], bool], list[Any]]
     """Packs train sequences into micro-batches (`final`: the step's last, keep it small)."""
     checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
@@ -72,10 +104,11 @@ class Hooks:
 
 class Controller:
     def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
-                 hooks: Hooks, train_stream: TaskStream,
+                 hooks: Hooks, train_stream: TaskStreamPort,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
                  planner: Planner | None = None, roles: Roles | None = None,
-                 start_step: int = 0, pending: Sequence[int] = ()):
+                 start_step: int = 0, pending: Sequence[int] = (),
+                 samples: SampleWriter | None = None, advice: str = ""):
         self.cfg = cfg
         self.manager = manager
         self.trainer = trainer
@@ -90,6 +123,7 @@ class Controller:
         self._step0 = start_step
         self.version = trainer.version
         self._regen = list(pending)
+        self._exhausted = False
         self.index_of: dict[str, int] = {}
         self.in_flight: set[str] = set()
         self.started_groups = 0
@@ -100,7 +134,13 @@ class Controller:
         self.nonfinite_total = 0
         self._changed = asyncio.Event()
         self._ready = asyncio.Event()
-        self._starve_warn_at = 0  # when to say again that no group is trainable
+        self.starvation = Starvation(cfg, advice=advice)
+        """Warns when no group becomes trainable, and stops the run past the hard limits."""
+        self.samples = samples
+        self._phase = "filling"
+        self._taken: list[ReadyGroup] = []  # groups taken by the step being filled
+        self._ticker: asyncio.Task[None] | None = None
+        self._progress_broken = False
         self._eval_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self._producer: asyncio.Task[None] | None = None
@@ -120,13 +160,13 @@ class Controller:
         """Regenerated groups first (resume), then the stream; each remembers its position."""
         if self._regen:
             k = self._regen.pop(0)
-            s = self.stream
-            g = s.source.element(s.shard_index + k * s.shard_count)
+            g = self.stream.element(k)
         else:
-            k = self.stream.next_index
+            k = self.stream.position
             try:
                 g = next(self.stream)
             except StopIteration:
+                self._exhausted = True
                 return None
         self.index_of[g["group_id"]] = k
         return g
@@ -149,7 +189,8 @@ class Controller:
             raise
         self.in_flight.discard(group["group_id"])
         self.generated_tokens += sum(t.action_token_count for t in trajs)
-        self.buffer.add_group(trajs, now=self.now())
+        trainable = self.buffer.add_group(trajs, now=self.now()) is not None
+        self.starvation.group_ended(trajs, trainable, self.now())
         self._ready.set()
         self._changed.set()
 
@@ -182,6 +223,7 @@ class Controller:
         """`sync` mode's rollout phase: start groups until a step's worth is ready (groups that
         are dropped — failed, zero variance — are replaced), then stop; nothing trains
         meanwhile and nothing rolls out while training."""
+        self.starvation.begin_wait(self.now())
         while len(self.buffer) < self.cfg.groups_per_step:
             missing = self.cfg.groups_per_step - len(self.buffer) - len(self.in_flight)
             for _ in range(max(0, missing)):
@@ -192,61 +234,56 @@ class Controller:
             if not self.in_flight:
                 return  # the stream ran out
             self._ready.clear()
-            await self._wait(self._ready)
+            await self._wait(self._ready, starving=True)
             if self._fatal is not None:
                 raise self._fatal
+            self._warn_if_starved()
         while self.in_flight and self._fatal is None:  # a step's rollout ends only when all its episodes have
             self._ready.clear()
             await self._wait(self._ready)
 
-    async def _wait(self, event: asyncio.Event) -> None:
+    async def _wait(self, event: asyncio.Event, *, starving: bool = False) -> None:
         """`event.wait()`, bounded by the run's time limit (raises `_TimeUp`): a run whose
-        groups stop becoming trainable (say, all zero variance) still ends on time."""
-        if not self.cfg.time_limit_s:
+        groups stop becoming trainable (say, all zero variance) still ends on time. While the
+        trainer waits for data (`starving`) it also returns at the next wall-clock starvation
+        threshold, for `_warn_if_starved` to act on."""
+        limit = self._t0 + self.cfg.time_limit_s - self.now() if self.cfg.time_limit_s else None
+        if limit is not None and limit <= 0:
+            raise _TimeUp
+        wake = self.starvation.wake_in(self.now()) if starving else None
+        timeout = min((x for x in (limit, wake) if x is not None), default=None)
+        if timeout is None:
             await event.wait()
             return
-        left = self._t0 + self.cfg.time_limit_s - self.now()
         try:
-            if left <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(event.wait(), left)
+            await asyncio.wait_for(event.wait(), max(timeout, 0.0))
         except TimeoutError:
-            raise _TimeUp from None
+            if limit is not None and timeout >= limit:
+                raise _TimeUp from None
 
     # -- training side ---------------------------------------------------------------------------
     async def _wait_ready(self, n: int) -> float:
         """Waits until `n` groups are ready (or no more can come); returns seconds waited."""
         t0 = self.now()
+        self.starvation.begin_wait(t0)
         while len(self.buffer) < n:
             if self._fatal is not None:
                 raise self._fatal
             if (self._producer is None or self._producer.done()) and not self.in_flight:
                 break
             self._ready.clear()
-            await self._wait(self._ready)
+            await self._wait(self._ready, starving=True)
             self._warn_if_starved()
         return self.now() - t0
 
     def _warn_if_starved(self) -> None:
-        """Says so when groups keep ending but none becomes trainable (all rewards equal, or
-        too few tasks ok): such a run would otherwise wait in silence. Warns once 16 groups (or
-        4 steps' worth) in a row were dropped, then each time that count doubles."""
-        in_a_row = self.buffer.drops_in_a_row
-        first = max(16, 4 * self.cfg.groups_per_step)
-        if in_a_row < first:
-            self._starve_warn_at = 0
-            return
-        if in_a_row < self._starve_warn_at:
-            return
-        self._starve_warn_at = 2 * in_a_row
-        log.warning(
-            "step %d: the last %d groups to end could not be trained (dropped so far: %s). "
-            "zero_variance: every reward in the group was equal, so GRPO has no signal; give "
-            "the task a graded reward (e.g. env.options=[format_bonus=0.1] for the default "
-            "task) or set trainer.zero_var_groups=keep. failed_tasks: fewer than "
-            "controller.min_ok_per_group tasks ended ok; see the env server's log. "
-            "controller.time_limit_s bounds the wait.",
-            self.step, in_a_row, dict(self.buffer.dropped))
+        """Warns (or stops the run, raising `Starved`) when groups keep ending but none
+        becomes trainable, or the trainer waited long for one (`tiderl.control.starvation`)."""
+        self.starvation.check(
+            now=self.now(), step=self.step, in_a_row=self.buffer.drops_in_a_row,
+            dropped=self.buffer.dropped, in_flight=len(self.in_flight),
+            episodes=len(self.manager.episodes), end_reasons=self.manager.end_reasons,
+            before_warning=lambda: self._show_progress(force=True))
 
     async def _train_step(self) -> dict:
         c = self.cfg
@@ -280,6 +317,7 @@ class Controller:
                     break
                 continue
             taken += groups
+            self._taken = taken
             seqs = [s for g in groups for s in g.seqs]
             final = len(taken) >= c.groups_per_step
             for mb in self.hooks.make_microbatches(seqs, final):
@@ -288,10 +326,14 @@ class Controller:
         for mb in self.hooks.make_microbatches([], True):  # after an early end: the remainder
             self.trainer.submit(mb)
             submitted += 1
+        if not submitted and self._exhausted:
+            raise _StreamEnded
         if not submitted:
             raise RuntimeError("no trainable data: every group failed, was stale or had zero "
                                "reward variance; check the env server and controller settings")
+        self._phase = "training"
         m = await self.trainer.finish_step_async()
+        self._taken = []
         r = self.buffer.end_step(r)
         step_time = self.now() - t_step
         self._step_time = step_time if not self._step_time else 0.7 * self._step_time + 0.3 * step_time
@@ -318,6 +360,9 @@ class Controller:
         trajs = [t for g in groups for t in g]
         ok = [t for t in trajs if t.ok]
         success = sum(t.reward >= 1.0 for t in ok) / max(1, len(trajs))
+        if self.samples is not None and self.samples.n:
+            path, samples = self.samples.write(step, trajs)
+            self.metrics.log_samples(step, samples, path)
         self.metrics.log({"kind": "eval", "step": step, "version": version,
                           "eval_success": success,
                           "eval_reward": sum(t.reward for t in ok) / max(1, len(ok)),
@@ -337,18 +382,22 @@ class Controller:
     def data_state(self) -> dict:
         """Task-stream position plus groups started but not yet trained (regenerated on resume)."""
         pending = sorted(self.index_of[g] for g in self.in_flight if g in self.index_of)
-        pending += sorted(self.index_of[g.group_id] for g in self.buffer.ready
+        # Ready groups, and those a step took but never trained (a run stopped mid-step).
+        pending += sorted(self.index_of[g.group_id] for g in [*self.buffer.ready, *self._taken]
                           if g.group_id in self.index_of)
-        return {"next_index": self.stream.next_index,
+        return {"next_index": self.stream.position, "stream": self.stream.get_state(),
                 "pending": sorted(set(pending) | set(self._regen))}
 
     async def run(self) -> dict:
         c = self.cfg
-        self._t0 = self.now()
+        self._t0 = self.starvation.last_trainable = self.now()
         self.last_eval = float("nan")
+        self._ticker = asyncio.create_task(self._tick(), name="progress")
+        stop: StarvedStop | None = None
         if c.mode != "sync":
             self._producer = asyncio.create_task(self._produce(), name="producer")
-        if c.eval_every:
+        evaluating = bool(c.eval_every and self.eval_groups)
+        if evaluating:
             self._launch_eval()
         saved = self.step
         try:
@@ -359,6 +408,7 @@ class Controller:
                     log.info("%s", self.end_reason)
                     break
                 t_roll = self.now()
+                self._phase = "filling"
                 try:
                     if c.mode == "sync":
                         await self._sync_rollout()
@@ -372,15 +422,28 @@ class Controller:
                         f"(groups dropped so far: {dict(self.buffer.dropped)})")
                     log.warning("%s", self.end_reason)
                     break
+                except _StreamEnded:
+                    self.end_reason = (f"the task stream ended (env.epochs) after {self.step} of "
+                                       f"{c.steps} steps")
+                    log.info("%s", self.end_reason)
+                    break
+                except Starved as e:
+                    self.end_reason = f"stopped at step {self.step}: {e}"
+                    stop = StarvedStop(f"{e} Stopped at step {self.step} with a checkpoint; "
+                                       "change the config, then --resume")
+                    break
                 out["t_train"] = (self._t_train_start, self.now())
                 self.step += 1
                 self.version = self.trainer.version
+                self._phase = "eval"
                 await self._await_eval()
+                self._phase = "sync"
                 t_sync = self.now()
                 plan = self.planner.plan(out["readiness"], self.roles)
                 self.roles = plan.roles
-                await self.hooks.sync_weights(await self.trainer.export_weights_async(),
-                                              self.version)
+                synced = await self.hooks.sync_weights(
+                    await self.trainer.export_weights_async(), self.version)
+                out["sync"] = synced if isinstance(synced, dict) else {}
                 sync_s = self.now() - t_sync
                 self._changed.set()
                 if c.mode == "sync":
@@ -398,27 +461,62 @@ class Controller:
                         f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
                         f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
                         "trainer.grad_clip, then resume with --resume")
-                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.steps:
+                if evaluating and self.step % c.eval_every == 0 and self.step < c.steps:
                     self._launch_eval()
             if not self.end_reason:
                 self.end_reason = f"completed {self.step} of {c.steps} steps"
         finally:
             self._stop = True
             self._changed.set()
-            if self._producer is not None:
-                self._producer.cancel()
-                await asyncio.gather(self._producer, return_exceptions=True)
-        if self.hooks.checkpoint is not None and c.checkpoint_every and self.step > saved:
-            # Ended early (time limit, stream exhausted): the last weights are saved too.
+            self._show_progress(force=True)  # where the rollout stood as the run ends
+            for task in (self._producer, self._ticker):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+        if self.hooks.checkpoint is not None and (
+                stop is not None or c.checkpoint_every and self.step > saved):
+            # Ended early (time limit, stream exhausted, starved): the last weights are saved.
             await self.hooks.checkpoint(self.step, self.data_state())
-        # A final evaluation of the last weights, then let in-flight rollouts finish or go.
-        await self._await_eval()
-        if c.eval_every:
-            await self._evaluate(self.step, self.version)
+        if stop is not None:  # no final evaluation: the run is stopping on an error
+            if self._eval_task is not None:
+                self._eval_task.cancel()
+                await asyncio.gather(self._eval_task, return_exceptions=True)
+        else:
+            # A final evaluation of the last weights, then let in-flight rollouts finish or go.
+            await self._await_eval()
+            if evaluating:
+                await self._evaluate(self.step, self.version)
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
+        if stop is not None:
+            stop.summary = self._summary()
+            raise stop
         return self._summary()
+
+    async def _tick(self) -> None:
+        """The live progress line (and gauges), once a second while the run goes."""
+        while True:  # a clock, not a wait for a condition
+            if not self._show_progress():
+                return
+            await asyncio.sleep(1.0)
+
+    def _show_progress(self, *, force: bool = False) -> bool:
+        if self._progress_broken:
+            return False
+        try:
+            self.metrics.progress(self.progress(), force=force)
+        except Exception:  # a display bug must not stop training (or hide why it stopped)
+            log.exception("the progress line failed; it stays off for this run")
+            self._progress_broken = True
+        return not self._progress_broken
+
+    def progress(self) -> dict[str, Any]:
+        """What the rollout is doing now (`tiderl.control.progress.snapshot`)."""
+        snap = snapshot(manager=self.manager, buffer=self.buffer, phase=self._phase,
+                        needed=self.cfg.groups_per_step, taken=len(self._taken),
+                        in_flight=len(self.in_flight))
+        return {"step": self.step + 1, "starved_s": self.starvation.waited(self.now()), **snap}
 
     def _log_step(self, out: dict, sync_s: float) -> None:
         m, r = out["train"], out["readiness"]
@@ -438,7 +536,7 @@ class Controller:
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],
             "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
-            "sync_s": sync_s,
+            "sync_s": sync_s, **out.get("sync", {}),
             "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
             **({"t_rollout_start": self._t_roll[0] - self._t0,
                 "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),
@@ -452,6 +550,9 @@ class Controller:
             **{k: v for k, v in m.items() if isinstance(v, (int, float, str))},
             **self.buffer.summary(),
             "end_reasons": rs["end_reasons"],
+            **trajectory_metrics([t for g in taken for t in g.trajs]),
+            "staleness_max": max((self.version - 1 - g.min_version for g in taken
+                                  if g.min_version >= 0), default=0),
         }
         self.rwt = 0.0
         self.metrics.log(rec)

@@ -14,6 +14,7 @@ carries a fresh `request_id`, reused across its retries, so the server applies i
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import uuid
 from typing import Any
@@ -52,6 +53,10 @@ class EnvClient:
         self._rng = random.Random()
         self.attempts = 0  # HTTP attempts made, retries included (tests and metrics read it)
         self.retried = 0
+        self.latency_s: dict[str, collections.deque[float]] = {
+            "start": collections.deque(maxlen=512), "step": collections.deque(maxlen=512)}
+        """Seconds of the most recent /start and /observation calls (retries included): what
+        a task waits on its env; the live progress line shows their p50/p95."""
 
     async def __aenter__(self) -> EnvClient:
         await self.open()
@@ -75,7 +80,12 @@ class EnvClient:
 
     async def start(self, task: dict[str, Any]) -> StartResult:
         """Opens a session for `task`."""
-        out = await self._call("POST", "/start", {"task": task, "request_id": _rid()})
+        body: dict[str, Any] = {"task": task, "request_id": _rid()}
+        if self.cfg.options:  # the job's suite options reach an external server too
+            body["options"] = self.cfg.option_dict()
+        t0 = asyncio.get_running_loop().time()
+        out = await self._call("POST", "/start", body)
+        self.latency_s["start"].append(asyncio.get_running_loop().time() - t0)
         if isinstance(out, _Failure):
             return StartResult(reason=out.reason, error=out.error)
         if not isinstance(out.get("session"), str):
@@ -84,8 +94,10 @@ class EnvClient:
 
     async def step(self, session: str, action: str) -> StepResult:
         """Sends one action; a failure comes back with `done=True` and `reason` set."""
+        t0 = asyncio.get_running_loop().time()
         out = await self._call("POST", "/observation",
                                {"session": session, "action": action, "request_id": _rid()})
+        self.latency_s["step"].append(asyncio.get_running_loop().time() - t0)
         if isinstance(out, _Failure):
             return StepResult(done=True, reason=out.reason, error=out.error)
         reward = out.get("reward")
@@ -184,3 +196,4 @@ def _retry_after(value: str | None) -> float:
         return max(0.0, float(value)) if value else 0.0
     except ValueError:
         return 0.0
+

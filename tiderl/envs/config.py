@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import secrets
 from typing import Literal
 
 from tiderl.configlib import ConfigError
 
 SUITES = ("default", "gym", "textworld", "textarena")
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_spec(value: str) -> bool:
+    """`package.module:attr`, the form user code is named by (env.suite, env.reward, env.agent)."""
+    return bool(_SPEC.match(value))
+
+
+def check_spec(key: str, value: str, what: str) -> None:
+    if value and not is_spec(value):
+        raise ConfigError(f"config key '{key}'={value!r} is not 'package.module:name'; name "
+                          f"{what} as e.g. {key}=my_pkg.my_module:my_name")
 
 
 def _positive(section: str, name: str, value: float, fix: str = "") -> None:
@@ -46,11 +61,72 @@ class LatencyConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EnvConfig:
-    """Which environment suite the run talks to, and how."""
+class EndpointConfig:
+    """The OpenAI-compatible endpoint a run serves to black-box agents (env.agent)."""
 
-    suite: str = "default"
-    """Adapter suite served by the env server ('default', 'gym', 'textworld', 'textarena')."""
+    host: str = "127.0.0.1"
+    """Bind address; loopback unless you mean to expose it (then env.endpoint.token is
+    required)."""
+    port: int = 0
+    """Port; 0 picks a free one (logged, and in each agent's base_url)."""
+    token: str = ""
+    """Bearer token every request must carry (the agent's api_key); '' for none (loopback
+    only)."""
+    request_timeout_s: float = 600.0
+    """How long one chat request may wait for its turn (scheduling included); then 504."""
+    idle_timeout_s: float = 600.0
+    """An agent that sends nothing for this long while its task is open ends it (timeout)."""
+    tool_parser: Literal["auto", "hermes", "llama3", "none"] = "auto"
+    """How tool calls are read from the model's output: 'hermes' (<tool_call>{json}</tool_call>,
+    Qwen/Hermes), 'llama3' ({"name", "parameters"} JSON), 'none', or 'auto' (from the chat
+    template)."""
+    max_request_bytes: int = 8 << 20
+    """Largest request body; larger ones answer 413."""
+    model_name: str = "tiderl"
+    """The model id /v1/models lists and responses carry (any requested model is accepted)."""
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"config key 'env.endpoint.port' must be in 0..65535, got "
+                              f"{self.port}")
+        for name in ("request_timeout_s", "idle_timeout_s", "max_request_bytes"):
+            _positive("env.endpoint", name, getattr(self, name))
+        if self.host not in LOOPBACK and not self.token:
+            raise ConfigError(f"config key 'env.endpoint.host'={self.host!r} exposes the agent "
+                              "endpoint beyond this machine; set env.endpoint.token (agents send "
+                              "it as their api_key) or bind to 127.0.0.1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """Which tasks the run plays, against which environment, scored how."""
+
+    suite: str = ""
+    """Adapter served by the env server: a built-in suite ('default', 'gym', 'textworld',
+    'textarena') or your own `package.module:Class` (an Adapter subclass). '' means the default
+    task, or — when env.tasks and env.reward are set and env.agent is not — single-turn tasks
+    with no env server."""
+    tasks: str = ""
+    """Task file of the train split: .jsonl, .parquet, or a saved Hugging Face `datasets`
+    folder; each row (one GRPO group) reaches the environment as the task payload. '' draws
+    tasks from the suite's seeds."""
+    eval_tasks: str = ""
+    """Task file of the eval split (first env.eval_groups rows); '' with env.tasks set: no
+    evaluation."""
+    shuffle: bool = True
+    """Shuffle the train split, anew each epoch (seeded by env.task_seed)."""
+    epochs: int = 0
+    """Passes over the train split (0: until the run ends); the run ends when they are used."""
+    reward: str = ""
+    """`package.module:function` scoring each task, `(task, transcript) -> float | dict`
+    (sync or async); '' uses the environment's own reward."""
+    reward_timeout_s: float = 60.0
+    """Longest one reward call may take; then the task fails (reward_error)."""
+    agent: str = ""
+    """`package.module:function` called per task as `(task, base_url, api_key)`: your agent,
+    talking to the run's OpenAI-compatible endpoint at base_url; '' for none."""
+    endpoint: EndpointConfig = dataclasses.field(default_factory=EndpointConfig)
+    """Where the endpoint for env.agent listens."""
     url: str = ""
     """Base URL of a running env server; '' starts one in-process on 127.0.0.1 (port 0)."""
     token: str = ""
@@ -108,9 +184,27 @@ class EnvConfig:
     """Suite options as 'key=value' strings, e.g. ('n=8', 'guesses=3') or ('game=Taxi-v4')."""
 
     def __post_init__(self):
-        if self.suite not in SUITES:
+        if self.suite and self.suite not in SUITES and not is_spec(self.suite):
             raise ConfigError(f"config key 'env.suite': {self.suite!r} is not a known suite; "
-                              f"set env.suite to one of {', '.join(SUITES)}")
+                              f"set env.suite to one of {', '.join(SUITES)} or to your adapter "
+                              "as package.module:Class")
+        check_spec("env.reward", self.reward, "your reward function")
+        check_spec("env.agent", self.agent, "your agent function")
+        if self.agent and (self.suite or self.url):
+            raise ConfigError("config key 'env.agent' is set together with env.suite/env.url: an "
+                              "agent task runs against the agent endpoint, not an env server; "
+                              "unset env.suite and env.url")
+        if self.tasks and not (self.suite or self.reward or self.agent):
+            raise ConfigError(f"config key 'env.tasks'={self.tasks!r} needs a way to play its "
+                              "rows: env.suite (your adapter, or a built-in suite), env.reward "
+                              "(single-turn rows with 'prompt' or 'messages') or env.agent")
+        if self.eval_tasks and not self.tasks:
+            raise ConfigError("config key 'env.eval_tasks' is set without env.tasks; set "
+                              "env.tasks (the train split) too")
+        if self.epochs < 0:
+            raise ConfigError(f"config key 'env.epochs' must be >= 0 (0: no limit), got "
+                              f"{self.epochs}")
+        _positive("env", "reward_timeout_s", self.reward_timeout_s)
         if self.concurrency <= 0:
             raise ConfigError(f"config key 'env.concurrency' must be positive, got "
                               f"{self.concurrency}")
@@ -133,6 +227,31 @@ class EnvConfig:
                 raise ConfigError(f"config key 'env.options': {opt!r} is not 'key=value'; "
                                   "write e.g. env.options=[n=8,guesses=3]")
 
+    @property
+    def kind(self) -> Literal["env", "single_turn", "agent"]:
+        """How tasks run: against an env server, as one completion scored by env.reward, or by
+        the user's agent through the endpoint."""
+        if self.agent:
+            return "agent"
+        if not self.suite and self.tasks and self.reward:
+            return "single_turn"
+        return "env"
+
+    @property
+    def suite_name(self) -> str:
+        """The adapter suite an env task uses ('' resolves to the default task)."""
+        return self.suite or "default"
+
     def option_dict(self) -> dict[str, str]:
         """`options` as a dict of strings (suites parse their own values)."""
         return {k.strip(): v.strip() for k, v in (o.split("=", 1) for o in self.options)}
+
+
+
+
+def with_default_token(cfg: EnvConfig) -> tuple[EnvConfig, bool]:
+    """A server bound beyond loopback never runs open: an in-process or CLI env server with no
+    `env.token` gets a generated one (returned, and True) that its clients must send."""
+    if cfg.token or cfg.url or cfg.host in LOOPBACK:
+        return cfg, False
+    return dataclasses.replace(cfg, token=secrets.token_urlsafe(24)), True

@@ -2,7 +2,7 @@
 
 JSON over HTTP:
 
-    POST /start       {task, request_id?}            -> {session, observation}
+    POST /start       {task, options?, request_id?}  -> {session, observation}
     POST /observation {session, action, request_id?} -> {observation, done, reward, turn}
     POST /end         {session, request_id?}         -> {reward, info}
     POST /pause       {session}                      -> {session, paused: true}
@@ -11,6 +11,8 @@ JSON over HTTP:
     GET  /metrics                                    -> Prometheus text
 
 Errors are `{"error": message}` with a 4xx (the caller's fault) or 500 (the environment's).
+`options` ({key: value} strings) are the job's env.options: they override the server's own
+suite options for that session, so an external server plays the task the job configured.
 `request_id` is an idempotency key: a retried request with the same key gets the first reply
 instead of being applied twice, which is what makes client retries of /observation safe.
 """
@@ -30,6 +32,8 @@ class EndReason(enum.StrEnum):
     turn_limit = "turn_limit"
     context_limit = "context_limit"
     env_error = "env_error"
+    reward_error = "reward_error"
+    """The reward function (env.reward) raised, timed out or returned no number."""
     timeout = "timeout"
     cancelled = "cancelled"
 
@@ -86,12 +90,18 @@ def _id(body: Mapping[str, Any], name: str, *, required: bool) -> str | None:
 class StartRequest:
     task: dict[str, Any]
     request_id: str | None = None
+    options: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def parse(cls, body: Any) -> StartRequest:
         body = _require_object(body)
+        options = _field(body, "options", dict, required=False) or {}
+        bad = [k for k, v in options.items() if not isinstance(v, str)]
+        if bad:
+            raise ProtocolError(422, f"field 'options' must map names to strings; {bad[0]!r} is "
+                                     f"{type(options[bad[0]]).__name__}")
         return cls(task=dict(_field(body, "task", dict)),
-                   request_id=_id(body, "request_id", required=False))
+                   request_id=_id(body, "request_id", required=False), options=dict(options))
 
 
 @dataclasses.dataclass(frozen=True)

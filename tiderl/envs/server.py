@@ -81,7 +81,7 @@ class EnvServer:
                  *, options: Mapping[str, str] | None = None, suite: str | None = None,
                  workers: int = 8):
         self.cfg = cfg
-        self.suite = suite or cfg.suite
+        self.suite = suite or cfg.suite_name
         self._make = adapter_cls
         self._options = dict(cfg.option_dict() if options is None else options)
         try:  # bad suite options fail here, at startup, not at the first /start
@@ -267,7 +267,7 @@ class EnvServer:
             self._start_inflight[req.request_id] = future
         self._starting += 1
         try:
-            status, body = await self._do_start(req.task)
+            status, body = await self._do_start(req.task, req.options)
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # mark retrieved: a waiting retry re-raises it, or nobody does
@@ -283,13 +283,18 @@ class EnvServer:
                 self._start_replies.popitem(last=False)
         return _json(body, status)
 
-    async def _do_start(self, task: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def _do_start(self, task: dict[str, Any], options: Mapping[str, str] | None = None
+                        ) -> tuple[int, dict[str, Any]]:
         session_id = uuid.uuid4().hex
         task_id = str(task.get("task_id", session_id))
         try:
-            adapter = self._make(self._options)
+            adapter = self._make({**self._options, **(options or {})})
         except TaskError as e:
             return 422, {"error": f"bad suite options: {e}"}
+        except ValueError as e:
+            if options:  # the job's options: the caller's fault
+                return 422, {"error": f"bad suite options {dict(options)}: {e}; fix env.options"}
+            return 500, {"error": f"environment failed to start: {type(e).__name__}: {e}"}
         except Exception as e:  # noqa: BLE001 - an env failure is a 500 value, not a crash
             return 500, {"error": f"environment failed to start: {type(e).__name__}: {e}"}
         delay = self._latency.sample(task_id, 0)
@@ -434,7 +439,7 @@ async def endpoint(cfg: EnvConfig) -> AsyncIterator[str]:
         return
     from tiderl.envs.suites import adapter_class
 
-    async with EnvServer(adapter_class(cfg.suite), cfg).serve() as url:
+    async with EnvServer(adapter_class(cfg.suite_name), cfg).serve() as url:
         yield url
 
 

@@ -1,9 +1,14 @@
-"""Registry of environment suites: name -> adapter class, imported only when used. No JAX."""
+"""Registry of environment suites: name or `package.module:Class` -> adapter class, imported only
+when used; and `load_object` for the other user code a run names (reward and agent functions).
+No JAX.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
+from tiderl.configlib import ConfigError
 from tiderl.envs.adapters.base import Adapter
 
 SUITES: dict[str, str] = {
@@ -17,10 +22,40 @@ SUITES: dict[str, str] = {
 _EXTRAS = {"gym": "gymnasium", "textworld": "textworld", "textarena": "textarena"}
 
 
+def load_object(spec: str, key: str) -> Any:
+    """The object named `package.module:attr` (attr may be dotted); a ConfigError naming `key`
+    and what went wrong otherwise."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"config key '{key}'={spec!r} is not 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"config key '{key}'={spec!r}: cannot import {module!r} ({e}); put its "
+                          "package on PYTHONPATH or pip install it") from e
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing
+        raise ConfigError(f"config key '{key}'={spec!r}: importing {module!r} failed "
+                          f"({type(e).__name__}: {e})") from e
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"config key '{key}'={spec!r}: {module!r} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
 def adapter_class(suite: str) -> type[Adapter]:
-    """The adapter class of `suite`; a clear error if the suite or its package is missing."""
+    """The adapter class of `suite` (a built-in name, '' for the default task, or
+    `package.module:Class`); a clear error if the suite or its package is missing."""
+    suite = suite or "default"
+    if ":" in suite:
+        cls = load_object(suite, "env.suite")
+        if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+            raise ConfigError(f"config key 'env.suite'={suite!r} is a {type(cls).__name__}, not "
+                              "a subclass of tiderl.envs.Adapter; point it at your adapter class")
+        return cls
     if suite not in SUITES:
-        raise ValueError(f"unknown env suite {suite!r}; use one of {', '.join(SUITES)}")
+        raise ValueError(f"unknown env suite {suite!r}; use one of {', '.join(SUITES)} or "
+                         "package.module:Class")
     module, name = SUITES[suite].split(":")
     try:
         mod = importlib.import_module(module)

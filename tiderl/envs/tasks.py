@@ -1,27 +1,20 @@
-"""Task sources: deterministic, shardable, checkpointable streams of task groups. No JAX here.
+"""Task sources of the built-in suites: random-access GRPO groups drawn from seeds. No JAX.
 
-A stream element is one GRPO group: `{"group_id", "split", "suite", "epoch", "env_seed",
-"tasks": [task spec] * group_size}`; each task spec is what `/start` receives: `task_id`,
-`group_id`, `member`, `split`, `suite`, the suite-specific `seed`, and the suite's own fields.
+A group is `{"group_id", "split", "suite", "epoch", "env_seed", "tasks": [task spec] *
+group_size}`; each task spec is what `/start` receives: `task_id`, `group_id`, `member`,
+`split`, `suite`, the suite-specific `seed`, and the suite's own fields.
 
-Element k of the (unsharded) stream is a pure function of k: epoch k // groups, and within an
-epoch the train split is a seeded permutation of its groups (the eval split keeps its order and
-runs one epoch). Shard s of S takes elements s, s+S, s+2S, ... so shards are disjoint and cover
-the stream, and the iterator state is just the next position (a JSON-able dict).
-
-Two iterators give the same elements: `grain_iterator` (a grain `DatasetIterator`, for the
-trainer: orbax checkpoints it with `grain.checkpoint.CheckpointSave`) and `TaskStream`
-(pure Python, for JAX-free code such as the simulator). `import grain` imports JAX, so grain is
-imported lazily inside `grain_dataset`; the rest of this module stays JAX-free.
+`TaskSource` is a random-access source (grain's RandomAccessDataSource protocol: `len`,
+`[g]`), the same kind as a task file (`tiderl.envs.taskfile.FileSource`). The order a run
+plays them in — shuffling per epoch, epochs, sharding by process, the checkpointable iterator —
+is the grain pipeline of `tiderl.data`, used by every run.
 
 Train and eval seeds are disjoint by construction: env_seed = task_seed + 2*g (+1 for eval).
 """
 
 from __future__ import annotations
 
-import functools
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from tiderl.envs.config import EnvConfig
@@ -53,7 +46,7 @@ class TaskSource:
     @classmethod
     def from_config(cls, cfg: EnvConfig, split: Split) -> TaskSource:
         groups = cfg.train_groups if split == "train" else cfg.eval_groups
-        return cls(cfg.suite, split, groups=groups, group_size=cfg.group_size,
+        return cls(cfg.suite_name, split, groups=groups, group_size=cfg.group_size,
                    task_seed=cfg.task_seed, options=cfg.option_dict())
 
     def __len__(self) -> int:
@@ -83,77 +76,14 @@ class TaskSource:
         return {"group_id": group_id, "split": self.split, "suite": self.suite,
                 "epoch": epoch, "env_seed": env_seed, "tasks": tasks}
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019 - a source lives as long as its streams
-    def _order(self, epoch: int) -> tuple[int, ...]:
-        order = list(range(self.groups))
-        if self.split == "train":
-            random.Random(f"tiderl-tasks/{self.task_seed}/{epoch}").shuffle(order)
-        return tuple(order)
-
     def element(self, k: int) -> dict[str, Any]:
-        """Element k of the unsharded stream."""
-        epoch, pos = divmod(k, self.groups)
-        return self.group(self._order(epoch)[pos], epoch=epoch)
-
-    def epochs(self, num_epochs: int | None) -> int:
-        """Epochs a stream runs: eval runs once; train `num_epochs` or (None) ~forever."""
-        if self.split == "eval":
-            return 1
-        return num_epochs if num_epochs is not None else (1 << 40) // self.groups
-
-
-def _check_shard(shard_index: int, shard_count: int) -> None:
-    if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard_index={shard_index} must be in 0..{shard_count - 1}")
-
-
-def grain_dataset(source: TaskSource, *, shard_index: int = 0, shard_count: int = 1,
-                  num_epochs: int | None = None):
-    """A `grain.MapDataset` of this shard's groups, in stream order."""
-    import grain  # imports JAX: keep it out of module import
-
-    _check_shard(shard_index, shard_count)
-    total = source.groups * source.epochs(num_epochs)
-    return grain.MapDataset.range(shard_index, total, shard_count).map(source.element)
-
-
-def grain_iterator(source: TaskSource, *, shard_index: int = 0, shard_count: int = 1,
-                   num_epochs: int | None = None):
-    """A checkpointable grain `DatasetIterator` over this shard's groups."""
-    ds = grain_dataset(source, shard_index=shard_index, shard_count=shard_count,
-                       num_epochs=num_epochs)
-    return iter(ds.to_iter_dataset())
-
-
-class TaskStream(Iterator[dict[str, Any]]):
-    """JAX-free iterator equal to `grain_iterator`, with the same `{"next_index": j}` state."""
-
-    def __init__(self, source: TaskSource, *, shard_index: int = 0, shard_count: int = 1,
-                 num_epochs: int | None = None):
-        _check_shard(shard_index, shard_count)
-        self.source = source
-        self.shard_index, self.shard_count = shard_index, shard_count
-        self.total = source.groups * source.epochs(num_epochs)
-        self.next_index = 0
-
-    def __next__(self) -> dict[str, Any]:
-        k = self.shard_index + self.next_index * self.shard_count
-        if k >= self.total:
-            raise StopIteration
-        self.next_index += 1
-        return self.source.element(k)
-
-    def get_state(self) -> dict[str, int]:
-        return {"next_index": self.next_index}
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        index = state.get("next_index")
-        if not isinstance(index, int) or index < 0:
-            raise ValueError(f"task stream state {dict(state)!r} needs a non-negative integer "
-                             "'next_index' (from get_state())")
-        self.next_index = index
+        """Group k % groups in epoch k // groups, unshuffled (tests and benchmarks; a run's
+        order comes from its grain pipeline)."""
+        epoch, g = divmod(k, self.groups)
+        return self.group(g, epoch=epoch)
 
 
 def eval_tasks(cfg: EnvConfig) -> list[dict[str, Any]]:
-    """Every eval task spec, in order (the eval split is small and run whole)."""
-    return [t for grp in TaskStream(TaskSource.from_config(cfg, "eval")) for t in grp["tasks"]]
+    """Every eval task spec of the suite, in order (the eval split is small and run whole)."""
+    src = TaskSource.from_config(cfg, "eval")
+    return [t for g in range(len(src)) for t in src[g]["tasks"]]

@@ -9,6 +9,7 @@ from tiderl.configlib import ConfigError
 
 DType = Literal["float32", "bfloat16"]
 RopeScaling = Literal["none", "llama3"]
+AttentionImpl = Literal["auto", "xla", "pallas", "cudnn"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,11 @@ class ModelConfig:
     compute_dtype: DType = "float32"
     max_seq_len: int = 2048
     init_std: float = 0.02
+    attention_impl: AttentionImpl = "auto"
+    """Training-path attention kernel (models/attention.py): 'xla' (dense mask, everywhere),
+    'pallas' (flash attention with segment ids; interpret mode off-GPU), 'cudnn' (cuDNN flash
+    attention, GPU, bf16), 'auto' (cudnn, else pallas on a GPU; xla elsewhere). All compute the
+    same packed causal attention; serving uses the engine's paged kernels instead."""
     scan_layers: bool = False
     """Store the blocks' parameters stacked (one array per kind with a leading layer axis) and
     run the training forward as one `lax.scan` over them: one compiled block (faster compiles

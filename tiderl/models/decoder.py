@@ -23,15 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from tiderl.models.attention import resolve_impl, train_attention, training_mask
 from tiderl.models.config import ModelConfig
-from tiderl.models.layers import (
-    attend,
-    attend_query_chunked,
-    map_time_chunks,
-    packed_causal_mask,
-    rms_norm,
-    rope,
-)
+from tiderl.models.layers import attend_query_chunked, map_time_chunks, rms_norm, rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -60,6 +54,12 @@ def _ones(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> 
 
 def _zeros(shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+def _train_impl(cfg: ModelConfig, seq_len: int) -> str:
+    """The training-path attention kernel for `model.attention_impl` (models/attention.py)."""
+    return resolve_impl(cfg.attention_impl, backend=jax.default_backend(),
+                        compute_dtype=cfg.compute_dtype, head_dim=cfg.head_dim, seq_len=seq_len)
 
 
 class Attention(nnx.Module):
@@ -96,10 +96,12 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
         q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
         k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
-        if cache is None and token_chunk:
-            out = attend_query_chunked(q, k, v, mask_btt, token_chunk)
-        elif cache is None:
-            out = attend(q, k, v, mask_btt)
+        if cache is None:
+            impl = _train_impl(self.cfg, q.shape[1])
+            if token_chunk and impl == "xla":  # mask_btt: the segment ids (see above)
+                out = attend_query_chunked(q, k, v, mask_btt, token_chunk)
+            else:  # the fused kernels keep no T×T scores anyway: no query chunks
+                out = train_attention(q, k, v, mask_btt, impl)
         else:
             out, cache = cache.attend(layer, q, k, v)
         return jnp.einsum("bthk,hkd->btd", out, self.wo_hkd[...].astype(cd)), cache
@@ -258,7 +260,9 @@ class Decoder(nnx.Module):
             for i, block in enumerate(self._blocks()):
                 x_btd, cache = block(x_btd, positions_bt, None, cache=cache, layer=i)
             return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), cache
-        mask_btt = segment_ids_bt if token_chunk else packed_causal_mask(segment_ids_bt)
+        # Query-chunked attention builds its mask per chunk from the segment ids.
+        mask_btt = (segment_ids_bt if token_chunk
+                    else training_mask(segment_ids_bt, _train_impl(self.cfg, tokens_bt.shape[1])))
 
         def run(block, x, pos, mask):
             return block(x, pos, mask, cache=None, layer=0, token_chunk=token_chunk)[0]

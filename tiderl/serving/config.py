@@ -21,6 +21,9 @@ class RolloutConfig:
 
     ranks: int = 1
     devices_per_rank: int = 1
+    """Devices of one rank (its cell): > 1 runs the engine tensor-parallel over them, SPMD, with
+    attention heads, MLP and vocabulary sharded on the cell's 'model' axis and the KV pools on
+    kv heads (replicated when model.n_kv_heads does not divide). Must divide model.n_heads."""
     scheduler: Literal["ctb", "vanilla"] = "ctb"
     """Task scheduler of the `tiderl` mode (the baseline modes always use 'vanilla')."""
     ctb: CTBConfig = dataclasses.field(default_factory=CTBConfig)
@@ -28,7 +31,13 @@ class RolloutConfig:
     """Most tasks one rank prefills in one engine call (rows padded to a decode bucket)."""
     page_size: int = 16
     num_pages: int = 256
-    """KV pages per rank (the token budget is num_pages × page_size)."""
+    """KV pages per rank (the token budget is num_pages × page_size); with
+    `kv_memory_fraction` the least the pool may have."""
+    kv_memory_fraction: float = 0.0
+    """> 0: size each engine's KV pool from its device's free memory when the engine starts —
+    this share of (allocator limit − bytes in use, the trainer's state included when it shares
+    the device), capped at max_slots full contexts; `num_pages` is then a floor. Devices that
+    report no memory (the CPU) keep `num_pages`. 0: exactly `num_pages`."""
     max_slots: int = 32
     """Concurrent sequences resident per rank (the decode batch is bucketed up to this)."""
     max_context: int = 1024
@@ -61,11 +70,6 @@ class RolloutConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'rollout.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
-        if self.devices_per_rank != 1:
-            raise ConfigError(
-                f"config key 'rollout.devices_per_rank'={self.devices_per_rank}: a rollout rank "
-                "on several devices (sharded KV pools) is not supported yet; set it to 1 and "
-                "raise rollout.ranks for more rollout devices")
         if self.temperature < 0:
             raise ConfigError("config key 'rollout.temperature' must be >= 0 (0 is greedy)")
         _check_buckets("decode_buckets", self.decode_buckets)
@@ -77,6 +81,9 @@ class RolloutConfig:
         if any(t < 0 for t in self.stop_tokens):
             raise ConfigError(f"config key 'rollout.stop_tokens'={list(self.stop_tokens)}: token "
                               "ids must be >= 0")
+        if not 0.0 <= self.kv_memory_fraction < 1.0:
+            raise ConfigError(f"config key 'rollout.kv_memory_fraction'={self.kv_memory_fraction}"
+                              " must lie in [0, 1) (0: exactly rollout.num_pages); e.g. 0.4")
         if self.top_k < 0:
             raise ConfigError(f"config key 'rollout.top_k'={self.top_k} must be >= 0 (0 is off)")
         if not 0.0 < self.top_p <= 1.0:
@@ -87,3 +94,25 @@ class RolloutConfig:
     def max_pages_per_slot(self) -> int:
         """Page-table width: pages one max_context-token sequence needs."""
         return -(-self.max_context // self.page_size)
+
+
+def page_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, page_size: int,
+               dtype_bytes: int) -> int:
+    """Device bytes of one KV page: K and V, every layer."""
+    return 2 * n_layers * n_kv_heads * page_size * head_dim * dtype_bytes
+
+
+def pages_for_memory(cfg: RolloutConfig, *, free_bytes: int, page_bytes: int) -> int:
+    """KV pages for `rollout.kv_memory_fraction` of `free_bytes` (one page is kept for the
+    engine's scratch page), capped at `max_slots` × pages per full context: more could never
+    be used. A ConfigError names the keys when that is under `rollout.num_pages`."""
+    fit = int(cfg.kv_memory_fraction * free_bytes) // page_bytes - 1
+    cap = cfg.max_slots * cfg.max_pages_per_slot
+    if fit < min(cfg.num_pages, cap):
+        raise ConfigError(
+            f"config key 'rollout.kv_memory_fraction'={cfg.kv_memory_fraction} of "
+            f"{free_bytes / 2**30:.2f} GiB free device memory holds {max(fit, 0)} KV pages "
+            f"({page_bytes / 2**20:.2f} MiB each), fewer than rollout.num_pages="
+            f"{cfg.num_pages}; raise rollout.kv_memory_fraction or cluster.memory_fraction, or "
+            "lower rollout.num_pages (or the model's footprint)")
+    return min(fit, cap)

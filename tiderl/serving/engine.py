@@ -63,11 +63,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
 from tiderl.serving.config import RolloutConfig
-from tiderl.serving.kv import KVPools, PagedKV, copy_pages, init_pools
+from tiderl.serving.kv import (
+    KVPools,
+    PagedKV,
+    copy_pages,
+    init_pools,
+    pool_pages,
+    resolve_decode_attention,
+)
 from tiderl.serving.pages import (
     EngineCounters,
     PageAllocator,
@@ -96,11 +104,13 @@ class DecodeState:
 
 @functools.lru_cache(maxsize=32)  # bounded: a long-lived process must not pile up executables
 def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
-              top_p: float, keep_logits: bool):
+              top_p: float, keep_logits: bool, pool_sharding: Any = None):
     """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T).
 
     Cached on its static arguments so engines of one model in one process share compiled code;
-    the returned function's `trace_counts` counts traces per (kind, B, T).
+    the returned function's `trace_counts` counts traces per (kind, B, T). `pool_sharding`
+    (a tensor-parallel engine's pool sharding over its cell) pins the donated pools' output
+    sharding to their input's, so XLA cannot hand back another layout (a recompile per call).
     """
     trace_counts: collections.Counter = collections.Counter()
 
@@ -129,12 +139,49 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
         return cache.pools, packed_b2, (logits_bv if keep_logits else None)
 
-    jitted = jax.jit(step, donate_argnums=(1,))
+    out = None if pool_sharding is None else (pool_sharding, _replicated(pool_sharding), None)
+    jitted = jax.jit(step, donate_argnums=(1,), out_shardings=out)
     jitted.trace_counts = trace_counts
     return jitted
 
 
-_copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+def _replicated(sharding: NamedSharding) -> NamedSharding:
+    return NamedSharding(sharding.mesh, PartitionSpec())
+
+
+@functools.lru_cache(maxsize=32)
+def _copy_pages_fn(pool_sharding: Any = None):
+    return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=pool_sharding)
+
+
+def cell_of(params: Any) -> tuple[Any, Any]:
+    """(device, None) for params on one device, (None, mesh) for params sharded over one mesh
+    (a tensor-parallel rank's cell); anything else is an error naming the fix."""
+    leaves = jax.tree_util.tree_leaves(params)
+    devices = {d for x in leaves for d in x.devices()}
+    if len(devices) == 1:
+        return devices.pop(), None
+    meshes = {getattr(x.sharding, "mesh", None) for x in leaves}
+    if len(meshes) != 1 or None in meshes or set(next(iter(meshes)).devices.flat) != devices:
+        raise ValueError(
+            f"Engine params span {len(devices)} devices but not one mesh over exactly those "
+            "devices; place them with jax.device_put(params, device) for one device, or with "
+            "NamedShardings of the rank's mesh (rollout.devices_per_rank > 1)")
+    mesh = meshes.pop()
+    if "model" not in mesh.shape or mesh.shape["model"] != len(devices):
+        raise ValueError(f"a tensor-parallel engine needs a mesh whose 'model' axis spans its "
+                         f"{len(devices)} devices; got mesh axes {dict(mesh.shape)}")
+    return None, mesh
+
+
+def pool_sharding_for(mesh: Any, n_kv_heads: int) -> NamedSharding:
+    """KV pools `[K, P+1, S, Dh]` sharded on kv heads over the cell's 'model' axis (as the
+    k/v projections are), replicated when the heads do not divide."""
+    n = mesh.shape["model"]
+    if n_kv_heads % n:
+        log.warning("model.n_kv_heads=%d does not divide over rollout.devices_per_rank=%d: the "
+                    "KV pools are replicated on every device of the rank", n_kv_heads, n)
+    return NamedSharding(mesh, PartitionSpec("model" if n_kv_heads % n == 0 else None))
 
 
 def _spec(params) -> tuple[Any, list[tuple]]:
@@ -156,29 +203,38 @@ class Engine:
         self.model_cfg, self.cfg = model_cfg, cfg
         self.params, self.version = params, version
         self._param_spec = _spec(params)
-        devices = {d for x in jax.tree_util.tree_leaves(params) for d in x.devices()}
-        if len(devices) != 1:
-            raise ValueError(
-                f"Engine params span {len(devices)} devices; an engine serves one device: "
-                "place them with jax.device_put(params, device) (rollout.devices_per_rank=1)")
-        self.device = devices.pop()
-        on_gpu = self.device.platform == "gpu"
-        self.attention = cfg.attention if cfg.attention != "auto" else (
-            "pallas" if on_gpu else "reference")
+        # One device, or a tensor-parallel cell: params sharded over a mesh whose 'model' axis
+        # spans the rank's devices; the kernels then run SPMD over the cell (XLA inserts the
+        # head/vocab collectives), pools sharded on kv heads.
+        self.device, self.mesh = cell_of(params)
+        self.pool_sharding = (None if self.mesh is None
+                              else pool_sharding_for(self.mesh, model_cfg.n_kv_heads))
+        placement = self.device if self.mesh is None else _replicated(self.pool_sharding)
+        first = self.device if self.mesh is None else self.mesh.devices.flat[0]
+        on_gpu = first.platform == "gpu"
+        self.attention = resolve_decode_attention(
+            cfg.attention, platform=first.platform, head_dim=model_cfg.head_dim,
+            page_size=cfg.page_size)
         self.interpret = cfg.pallas_interpret or not on_gpu
+        # The pool's size is decided once, here (rollout.kv_memory_fraction: from the free
+        # device memory); self.cfg.num_pages is what this engine holds.
+        self.cfg = cfg = dataclasses.replace(cfg, num_pages=pool_pages(
+            cfg, n_layers=model_cfg.n_layers, n_kv_heads=model_cfg.n_kv_heads,
+            head_dim=model_cfg.head_dim, dtype=DTYPES[model_cfg.compute_dtype],
+            device=first))  # a tensor-parallel cell: sized by one device's free memory
         self.filtered = cfg.top_k > 0 or cfg.top_p < 1.0
         if self.filtered:
             log.warning("top-k/top-p sampling is on: returned logprobs are full-vocabulary "
                         "log_softmax(logits/T) and results are flagged `filtered`")
-        self.run_key = jax.device_put(jax.random.key(seed), self.device)
+        self.run_key = jax.device_put(jax.random.key(seed), placement)
         self.keep_logits = keep_logits
         self.logits_log: list[tuple[int, int, np.ndarray]] = []
         """(task_id, position, logits_v) of every sampled token when keep_logits (tests)."""
         common = dict(impl=self.attention, interpret=self.interpret, top_k=cfg.top_k,
-                      top_p=cfg.top_p, keep_logits=keep_logits)
+                      top_p=cfg.top_p, keep_logits=keep_logits, pool_sharding=self.pool_sharding)
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
-        self._copy_fn = _copy_pages
+        self._copy_fn = _copy_pages_fn(self.pool_sharding)
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
         self.state: DecodeState | None = None
@@ -191,7 +247,8 @@ class Engine:
                                    max_slots=c.max_slots, max_pages_per_slot=c.max_pages_per_slot)
         pools = init_pools(n_layers=m.n_layers, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                            num_pages=c.num_pages, page_size=c.page_size,
-                           dtype=DTYPES[m.compute_dtype], device=self.device)
+                           dtype=DTYPES[m.compute_dtype], device=self.device,
+                           sharding=self.pool_sharding)
         self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
         return self.state
 

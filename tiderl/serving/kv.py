@@ -14,6 +14,7 @@ the pools it returns are the donated inputs updated in place.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Literal
 
@@ -23,6 +24,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from tiderl.models.layers import NEG_INF
 from tiderl.models.layers import attend as reference_attend
+from tiderl.serving.config import RolloutConfig, page_bytes, pages_for_memory
+
+log = logging.getLogger(__name__)
 
 AttnImpl = Literal["reference", "pallas"]
 
@@ -45,11 +49,14 @@ class KVPools:
 
 
 def init_pools(*, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
-               dtype, device=None) -> KVPools:
-    """Zeroed pools for `num_pages` real pages plus the scratch page."""
+               dtype, device=None, sharding=None) -> KVPools:
+    """Zeroed pools for `num_pages` real pages plus the scratch page, on `device` or in
+    `sharding` (a tensor-parallel rank's: kv heads over its cell)."""
     shape = (n_kv_heads, num_pages + 1, page_size, head_dim)
+    if sharding is None and device is not None:
+        sharding = jax.sharding.SingleDeviceSharding(device)
     make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-                   out_shardings=None if device is None else jax.sharding.SingleDeviceSharding(device))
+                   out_shardings=sharding)
     return KVPools(k=make(), v=make())
 
 
@@ -96,15 +103,89 @@ def append_mask(pos_bt: Int[Array, "B T"], kv_len_b: Int[Array, " B"],
     return (s_l[None, None, :] < kv_len_b[:, None, None]) & (s_l[None, None, :] <= pos_bt[:, :, None])
 
 
-def pallas_paged_decode(q_bhd, k_pool, v_pool, page_table_bp, lengths_b, *, interpret: bool):
-    """One query token per row through `jax.experimental.pallas.ops.gpu.paged_attention`."""
+def decode_splits(pages_per_seq: int, *, interpret: bool) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) of the Pallas decode kernel for a page table of
+    `pages_per_seq` pages.
+
+    The kernel splits each sequence's pages into `k_splits` partitions run in parallel (then
+    merged flash-style) and walks a partition `pages_per_compute_block` pages at a time; it
+    asserts pages_per_seq % k_splits == 0 and that the block divides a partition, and Triton
+    tiles must be powers of two. Interpret mode runs the grid serially, so one split is
+    cheapest there (tests pass `k_splits` explicitly to check the merge on the CPU)."""
+    k_splits = 1 if interpret else next(d for d in (16, 8, 4, 2, 1) if pages_per_seq % d == 0)
+    block = next(d for d in (8, 4, 2, 1) if (pages_per_seq // k_splits) % d == 0)
+    return k_splits, block
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def pallas_decode_unsupported(*, head_dim: int, page_size: int) -> str | None:
+    """Why the Pallas (Triton) decode kernel cannot run this cache on a GPU, or None.
+
+    Its tiles are [16 query heads, head_dim] and [pages × page_size, head_dim]: Triton needs
+    power-of-two sizes of at least 16 for its dots."""
+    if not (_pow2(head_dim) and head_dim >= 16):
+        return f"model.head_dim={head_dim} is not a power of two >= 16"
+    if not _pow2(page_size):
+        return f"rollout.page_size={page_size} is not a power of two"
+    return None
+
+
+def resolve_decode_attention(setting: str, *, platform: str, head_dim: int,
+                             page_size: int) -> str:
+    """`rollout.attention` for an engine on `platform`: 'auto' is 'pallas' on a GPU where the
+    kernel applies, 'reference' elsewhere; an explicit 'pallas' that cannot compile on this
+    GPU is a ValueError naming the keys (off-GPU it runs in interpret mode)."""
+    why = pallas_decode_unsupported(head_dim=head_dim, page_size=page_size)
+    if setting == "auto":
+        if platform == "gpu" and why:
+            log.warning("rollout.attention=auto: gather reference decode on this GPU (%s)", why)
+        return "pallas" if platform == "gpu" and not why else "reference"
+    if setting == "pallas" and platform == "gpu" and why:
+        raise ValueError(f"rollout.attention='pallas': {why}; use rollout.attention=reference "
+                         "or a power-of-two page size")
+    return setting
+
+
+def pool_pages(cfg: RolloutConfig, *, n_layers: int, n_kv_heads: int, head_dim: int,
+               dtype, device) -> int:
+    """Pages of this engine's KV pool: `rollout.num_pages`, or with `rollout.kv_memory_fraction`
+    > 0 that share of the device memory free now (`memory_stats()`: the allocator's limit
+    minus what is in use — the trainer's state too, when it shares the device), capped at what
+    `max_slots` full contexts can use. A device that reports no memory (the CPU) keeps
+    `num_pages`. Fewer pages than `num_pages` is a ConfigError naming the keys."""
+    if cfg.kv_memory_fraction <= 0:
+        return cfg.num_pages
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        log.info("rollout.kv_memory_fraction: %s reports no memory limit; keeping "
+                 "rollout.num_pages=%d", device.platform, cfg.num_pages)
+        return cfg.num_pages
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    per_page = page_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                          page_size=cfg.page_size, dtype_bytes=jnp.dtype(dtype).itemsize)
+    pages = pages_for_memory(cfg, free_bytes=free, page_bytes=per_page)
+    log.info("KV pool: %d pages of %d tokens (%.2f GiB) = rollout.kv_memory_fraction=%g of "
+             "%.2f GiB free on %s", pages, cfg.page_size, pages * per_page / 2**30,
+             cfg.kv_memory_fraction, free / 2**30, device)
+    return pages
+
+
+def pallas_paged_decode(q_bhd, k_pool, v_pool, page_table_bp, lengths_b, *, interpret: bool,
+                        k_splits: int | None = None):
+    """One query token per row through `jax.experimental.pallas.ops.gpu.paged_attention`.
+
+    `k_splits` overrides `decode_splits` (tests run the GPU's split on the CPU)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     pm = page_table_bp.shape[1]
-    # The kernel asserts pages_per_seq % k_splits == 0 and that the compute block divides a
-    # partition. Interpret mode runs the grid serially, so one split is cheapest there.
-    k_splits = 1 if interpret else next(d for d in (16, 8, 4, 2, 1) if pm % d == 0)
-    block = next(d for d in (8, 4, 2, 1) if (pm // k_splits) % d == 0)
+    auto_splits, block = decode_splits(pm, interpret=interpret)
+    if k_splits is None:
+        k_splits = auto_splits
+    else:
+        block = next(d for d in (8, 4, 2, 1) if (pm // k_splits) % d == 0)
     scale = 1.0 / math.sqrt(q_bhd.shape[-1])  # the kernel does not scale scores itself
     return paged_attention(q_bhd * jnp.asarray(scale, q_bhd.dtype), k_pool, v_pool,
                            page_table_bp, lengths_b.astype(jnp.int32), k_splits=k_splits,

@@ -81,6 +81,7 @@ class _Task:
     turn_computed: int = 0
     empty_action: bool = False
     temperature: float | None = None
+    max_action_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -158,13 +159,15 @@ class RolloutRank:
 
     def turn(self, task_id: int, new_tokens: Sequence[int],
              prefix: Prefix | None = None, *, sample_id: int | None = None,
-             temperature: float | None = None) -> asyncio.Future[TurnResult]:
+             temperature: float | None = None,
+             max_action_tokens: int | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
         `task_id` is the caller's key for the task (unique among its live tasks);
         `sample_id` keys its sampling (default: `task_id`); `prefix` adopts a migrated task's
         handle (its KV is re-prefilled here); `temperature` overrides the engine's for this
-        task (evaluation decodes greedily with 0).
+        task (evaluation decodes greedily with 0); `max_action_tokens` caps this action below the
+        engine's own limit (an agent's max_tokens).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -184,6 +187,7 @@ class RolloutRank:
                                f"{self.rank_id}")
         t.pending = list(new_tokens)
         t.temperature = temperature
+        t.max_action_tokens = max_action_tokens
         t.paused = False
         t.result = None
         t.future = asyncio.get_running_loop().create_future()
@@ -353,7 +357,8 @@ class RolloutRank:
             reqs = [PrefillRequest(self._snap[tid].prefix, self._snap[tid].pending or [],
                                     len(self._snap[tid].pending or []),
                                     task_id=self._snap[tid].sample_id,
-                                    temperature=self._snap[tid].temperature)
+                                    temperature=self._snap[tid].temperature,
+                                    max_action_tokens=self._snap[tid].max_action_tokens)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
             c0 = dataclasses.replace(eng.counters)

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from tiderl.envs.protocol import EndReason
@@ -107,7 +107,8 @@ class RolloutManager:
 
     def __init__(self, ranks: Sequence[RolloutRank], scheduler: CTBScheduler | VanillaScheduler,
                  env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None,
-                 eval_temperature: float | None = 0.0):
+                 eval_temperature: float | None = 0.0,
+                 runner: Callable[[RolloutManager, _Episode], Awaitable[Trajectory]] | None = None):
         self.ranks = list(ranks)
         self.sched = scheduler
         scheduler.horizon_turns = max_turns
@@ -116,6 +117,9 @@ class RolloutManager:
         self.max_turns = max_turns
         self.eval_temperature = eval_temperature
         self.system = system
+        self.runner = runner
+        """Plays an episode instead of the env loop (`tiderl.agents`: agent and single-turn
+        tasks); it drives turns through `agent_turn` and ends with `finished`."""
         self.episodes: dict[str, _Episode] = {}
         """Live episodes only (a finished one is forgotten)."""
         self._keys = itertools.count()
@@ -183,7 +187,8 @@ class RolloutManager:
             self.episodes[ep.task.task_id] = ep
         self.submitted += len(eps)
         self.kick()
-        return list(await asyncio.gather(*(self._episode(ep) for ep in eps)))
+        play = self._episode if self.runner is None else (lambda ep: self.runner(self, ep))
+        return list(await asyncio.gather(*(play(ep) for ep in eps)))
 
     async def _active(self, ep: _Episode) -> RolloutRank:
         """The task's rank once it is active. While it is parked, its env session is paused
@@ -260,7 +265,7 @@ class RolloutManager:
             if end.ok:
                 traj.reward = float(end.reward)
                 traj.info = dict(end.info)
-            elif reward is not None:
+            elif reward is not None and end.reason != EndReason.reward_error:
                 traj.reward = float(reward)
             elif traj.ok:
                 traj.end_reason, traj.error = end.reason, end.error
@@ -280,7 +285,29 @@ class RolloutManager:
             self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
                 str(traj.end_reason), 0) + 1
 
-    async def _turn(self, ep: _Episode, new_tokens: list[int]) -> TurnResult:
+    async def agent_turn(self, ep: _Episode, new_tokens: list[int], context: int, *,
+                         max_action_tokens: int | None = None) -> TurnResult:
+        """One turn for an episode runner: waits until the scheduler has the task active, runs
+        it on the task's rank (`context` tokens once `new_tokens` are in), then leaves the task
+        waiting on its agent, where the scheduler may park it."""
+        tid = ep.task.task_id
+        await self._active(ep)
+        self.sched.update_usage(tid, context, executing=True)
+        self.kick()
+        result = await self._turn(ep, new_tokens, max_action_tokens=max_action_tokens)
+        self.sched.set_executing(tid, False)
+        self.kick()
+        return result
+
+    def finished(self, ep: _Episode, traj: Trajectory) -> None:
+        """An episode runner's task ended: frees it on its rank and in the scheduler."""
+        traj.finished_at = time.monotonic()
+        self._close(ep)
+        self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
+            str(traj.end_reason), 0) + 1
+
+    async def _turn(self, ep: _Episode, new_tokens: list[int], *,
+                    max_action_tokens: int | None = None) -> TurnResult:
         """Runs one turn on the task's rank. When the task has moved (CTB resumed it on another
         rank between turns, or the rank running this turn failed and was quarantined), the
         turn takes the task's `Handoff` from the rank that holds it and the new rank re-prefills
@@ -307,7 +334,8 @@ class RolloutManager:
             temp = self.eval_temperature if ep.task.is_eval else None
             self.sched.set_executing(ep.task.task_id, True)
             try:
-                fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp)
+                fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp,
+                                max_action_tokens=max_action_tokens)
                 ep.holder, given, prefix = rank.rank_id, True, None
                 return await fut
             except RankFailedError:

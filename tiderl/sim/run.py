@@ -16,7 +16,7 @@ from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.config import ControllerConfig
 from tiderl.control.controller import Controller, Hooks
 from tiderl.control.metrics import MetricsSink
-from tiderl.envs.tasks import TaskSource, TaskStream
+from tiderl.envs.tasks import TaskSource
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import ByteTokenizer
 from tiderl.serving.ctb import CTBConfig, make_scheduler
@@ -24,6 +24,25 @@ from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.sim.fakes import SimEngine, SimGuessEnv, SimTrainer
 from tiderl.train.dispatch import microbatches
+
+
+class SeedStream:
+    """The simulator's own JAX-free workload stream (a run's goes through grain, `tiderl.data`):
+    a suite's groups in seed order, with the controller's stream interface."""
+
+    def __init__(self, source: TaskSource):
+        self.source, self.position = source, 0
+
+    def __next__(self) -> dict:
+        g = self.source.element(self.position)
+        self.position += 1
+        return g
+
+    def element(self, k: int) -> dict:
+        return self.source.element(k)
+
+    def get_state(self) -> dict:
+        return {"position": self.position}
 
 
 async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4,
@@ -56,7 +75,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
             cfg, manager=manager, trainer=trainer,
             hooks=Hooks(sync_weights=sync_weights, make_microbatches=make_mbs,
                         checkpoint=checkpoint),
-            train_stream=TaskStream(src), eval_groups=[eval_src.element(k) for k in range(4)],
+            train_stream=SeedStream(src), eval_groups=[eval_src.element(k) for k in range(4)],
             metrics=metrics,
             buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                    max_staleness=cfg.max_staleness,
@@ -71,6 +90,10 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
 
 def main() -> int:
     import looptime  # the virtual clock: sleeps take no real time
+
+    from tiderl.logs import setup_logging
+
+    setup_logging()
 
     cfg = ControllerConfig(steps=5, groups_per_step=4, eval_every=2, console=False,
                            checkpoint_every=0, min_ok_per_group=1)

@@ -62,6 +62,8 @@ from tiderl.train.ref_actor import (
     init_train_state,
     make_kernels,
     make_optimizer,
+    make_schedule,
+    schedule_count,
     train_shardings,
 )
 
@@ -128,6 +130,7 @@ class TrainerBackend:
                              f"{'a separate' if ref_mesh is not None else 'no'} Ref mesh; pass "
                              "ref_mesh for decoupled or drop it for colocated")
         self.spec = LossSpec.from_config(cfg)
+        self._schedule = make_schedule(cfg)
         if policy is None:
             policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
         self.graphdef, params = policy
@@ -135,6 +138,8 @@ class TrainerBackend:
         self.serving_graphdef = (abstract_policy(serving_config(model_cfg))[0]
                                  if model_cfg.scan_layers else self.graphdef)
         self._abstract = jax.eval_shape(lambda: params)
+        self.serving_abstract = (jax.eval_shape(_serving_fn(model_cfg), params)
+                                 if model_cfg.scan_layers else self._abstract)
         self._bind(ref_mesh)
         # No KL term, no Ref forward: no Ref copy of the weights either (+1× params otherwise).
         self.ref_params = (jax.device_put(_copy(params if ref_params is None else ref_params),
@@ -489,6 +494,8 @@ class TrainerBackend:
         if self._n_mbs == 0:
             raise RuntimeError("finish_step() with no submitted micro-batch; submit at least one")
         t0 = time.perf_counter()
+        # The rate this update is applied with: the schedule at the updates applied so far.
+        lr = float(self._schedule(schedule_count(self.state["opt"])))
         out = self.apply()
         jax.block_until_ready(self.state)
         self._times["apply"] += time.perf_counter() - t0
@@ -503,6 +510,7 @@ class TrainerBackend:
             "stale_frac": float(sums["stale_tokens"]) / n_tok,
             "ratio_mean": float(sums["ratio_sum"]) / n_tok,
             "grad_norm": float(out["grad_norm"]),
+            "lr": lr,
             "skipped": bool(out["skipped"]),
             "action_tokens": self._n_tokens,
             "sequences": self._n_seqs,

@@ -161,7 +161,9 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
         "loss_sum": total,
         "pg_sum": jnp.sum(jnp.where(w > 0, w * pg, 0.0)),
         "kl_sum": jnp.sum(jnp.where(on, kl, 0.0)),
-        "clipped_tokens": jnp.sum(on & ~stale & (clipped != ratio)),
+        # verl's pg_clipfrac: the clip decides the loss, i.e. the clipped term is the larger
+        # loss (ratio above 1 + ε_high for A > 0, below 1 − ε_low for A < 0).
+        "clipped_tokens": jnp.sum(on & ~stale & (-clipped * adv > -ratio * adv)),
         "stale_tokens": jnp.sum(stale),
         "action_tokens": jnp.sum(mask),
         "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),

@@ -71,6 +71,14 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW under a warmup + constant/cosine schedule."""
+    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+    parts.append(optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
+                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def make_schedule(cfg: TrainerConfig) -> optax.Schedule:
+    """The learning rate as a function of applied updates (warmup, then constant or cosine)."""
     if cfg.lr_schedule == "cosine":
         sched = optax.warmup_cosine_decay_schedule(
             0.0 if cfg.warmup_steps else cfg.lr, cfg.lr, max(cfg.warmup_steps, 0),
@@ -81,10 +89,16 @@ def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
             [cfg.warmup_steps])
     else:
         sched = optax.constant_schedule(cfg.lr)
-    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    parts.append(optax.adamw(sched, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                             weight_decay=cfg.weight_decay))
-    return optax.chain(*parts)
+    return sched
+
+
+def schedule_count(opt_state: Any) -> int:
+    """Updates applied so far, as the optimizer's schedule counts them (skipped ones not)."""
+    for leaf in jax.tree.leaves(opt_state,
+                                is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)):
+        if isinstance(leaf, optax.ScaleByScheduleState):
+            return int(jax.device_get(leaf.count))
+    raise ValueError("optimizer state has no schedule count (not built by make_optimizer)")
 
 
 def _check_temperature(temperature: float) -> None:

@@ -71,7 +71,9 @@ class GuessNumber(Adapter):
     @classmethod
     def task_fields(cls, seed: int, options: Mapping[str, str]) -> dict[str, Any]:
         fields: dict[str, Any] = {"seed": seed}
-        for name in ("n", "guesses"):
+        # target=K fixes every task's hidden number; target=0 is none, so no guess can win (a
+        # null task: every group has zero reward variance, to check how a run handles that).
+        for name in ("n", "guesses", "target"):
             if name in options:
                 fields[name] = int(options[name])
         return fields
@@ -83,7 +85,7 @@ class GuessNumber(Adapter):
         seed = int_option(task, "seed", 0, lo=0, hi=(1 << 63) - 1)
         if self.targets == "member":
             seed = seed * 1_000_003 + int_option(task, "member", 0, lo=0, hi=1 << 20)
-        self.target = int_option(task, "target", target_of(seed, self.n), lo=1, hi=self.n)
+        self.target = int_option(task, "target", target_of(seed, self.n), lo=0, hi=self.n)
         self.used = 0
         self.valid = 0
         self.lo, self.hi = 1, self.n
