@@ -5,22 +5,28 @@ A random-initialised `Decoder` with Qwen2.5-0.5B's shape (vocab 151,936, d_model
 device. Each variant runs in a fresh subprocess (ru_maxrss never decreases), one at a time:
 
 1. init: params (jitted init) and the AdamW state (`tx.init`), the train state the step donates;
-2. rollout: an `Engine` on those weights with a small KV pool; prefill of a 48-token prompt and
-   8 decode steps; the engine is then dropped (its weights are the trainer's, no copy);
+2. rollout: an `Engine` on serving weights made from the params as launch makes them
+   (`models.policy.serving_params`: per layer, matrices in the compute dtype) with a small KV
+   pool; prefill of a 48-token prompt and 8 decode steps; engine and serving weights are then
+   dropped;
 3. train: one GRPO step of 4 × 1,024 tokens through the trainer's jitted kernels
    (`ref_actor.make_kernels`): the Actor forward returning its vjp, the deferred backward into a
-   gradient sum, AdamW apply (state donated). kl_coef = 0 as in the embedded default, so no Ref
-   forward and no Ref params (`TrainerBackend` would also hold a Ref copy of the params, +1×
-   params; it is not used here so that the figure is the step's own).
+   gradient sum, scale_grads + AdamW apply (sum and state donated). kl_coef = 0 as in the
+   embedded default, so no Ref forward and no Ref params (`TrainerBackend` keeps no Ref copy
+   then either).
 
-Reported per variant: bytes of params + optimizer state, ru_maxrss after each phase, and
-peak / (params + optimizer). A watchdog ends a child whose RSS passes --rss-limit-gb (the box is
+Variants: `scan-*` stack the layers (model.scan_layers) with the rematerialising scan and
+128-token chunks (trainer.token_chunk); `unrolled-*` remat each block of an unrolled stack;
+`*-unchunked-*` use the whole-batch head (trainer.head_chunk=0), the others 256-token chunks.
+
+Reported per variant: bytes of params + optimizer state, the peak RSS sampled within each
+phase, and peak / (params + optimizer). A watchdog ends a child whose RSS passes --rss-limit-gb (the box is
 shared) and the variant is reported as over the limit.
 
     python benchmarks/memory.py                       # the default variant set
-    python benchmarks/memory.py --variants chunked-remat-fp32,unchunked-remat-fp32
+    python benchmarks/memory.py --variants scan-fp32,unrolled-fp32
     python benchmarks/memory.py --layers 2 --tokens 256   # a quick smoke run
-    python benchmarks/memory.py --analyze --variants chunked-remat-fp32   # compile-only sizes
+    python benchmarks/memory.py --analyze --variants scan-fp32   # compile-only sizes
 
 The last line is one JSON object with `peak_over_state` (the first variant's) and
 `chunked_over_unchunked_peak` (first chunked vs first unchunked variant, when both ran).

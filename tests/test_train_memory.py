@@ -95,8 +95,9 @@ def _reference(cfg):
     return _REFERENCE[cfg]
 
 
-@pytest.mark.parametrize("cfg", [TIED, UNTIED], ids=["tied", "untied"])
-@pytest.mark.parametrize("chunk", [7, 1000])
+# A chunk that does not divide B·(T−1) (padding, several chunks) with the tied head, one chunk
+# larger than the batch with the untied one.
+@pytest.mark.parametrize("cfg,chunk", [(TIED, 7), (UNTIED, 1000)], ids=["tied-7", "untied-1000"])
 def test_chunked_head_equals_whole_batch_head(cfg, chunk):
     graphdef, params, batch, ((_, (lp0, ent0)), g0) = _reference(cfg)
     (_, (lp1, ent1)), g1 = _value_and_grads(make_outputs(graphdef, 0.7, head_chunk=chunk),
@@ -124,7 +125,7 @@ def test_chunked_head_function_against_token_outputs_directly():
         def loss(h, w):
             lp, ent = fn(h, w)
             return jnp.sum(cot * lp) - 0.7 * jnp.sum(cot * ent)
-        return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(h, w)
 
     ref_v, ref_g = f(lambda h, w: token_outputs(jnp.einsum("btd,vd->btv", h, w), y, 1.3))
     # Vocabulary tiles of the backward: the default (one tile here), 7 (seven tiles and a
@@ -150,13 +151,14 @@ def test_query_chunked_attention_equals_dense():
     seg = jnp.asarray(seg)
 
     def f(fn):
-        return jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))),
-                                  argnums=(0, 1, 2))(q, k, v)
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))),
+                                          argnums=(0, 1, 2)))(q, k, v)
 
     ref_v, ref_g = f(lambda q, k, v: attend(q, k, v, packed_causal_mask(seg)))
     for chunk in (4, 21, 64):
         val, g = f(lambda q, k, v, c=chunk: attend_query_chunked(q, k, v, seg, c))
-        assert abs(float(val - ref_v)) <= 1e-5
+        # fp32 sums in another order under jit: measured 1.1e-5 on 33.9 (3.4e-7 relative).
+        assert abs(float(val - ref_v)) <= 1e-6 * abs(float(ref_v)), chunk
         assert _rel(g, ref_g) < REMAT_RTOL * 10, chunk
 
 
@@ -189,7 +191,8 @@ def test_remat_scanned_layers_and_token_chunks_equal_the_plain_path():
 
     # Really rematerialised: the vjp keeps far less than without remat (block inputs only).
     def residual_elems(gd, p, remat):
-        vjp = jax.vjp(lambda q: make_outputs(gd, 1.0, remat=remat)(q, batch), p)[1]
+        vjp = jax.eval_shape(  # shapes only: nothing runs
+            lambda p: jax.vjp(lambda q: make_outputs(gd, 1.0, remat=remat)(q, batch), p)[1], p)
         return sum(x.size for x in jax.tree.leaves(vjp))
 
     assert residual_elems(graphdef, params, True) < 0.5 * residual_elems(graphdef, params, False)
@@ -309,6 +312,8 @@ def test_bf16_compute_fp32_master_one_step():
         be.close()
     (l32, g32), (l16, g16) = out["fp32"], out["bf16"]
     assert l16 != l32 and g16 != g32  # bf16 really ran
+    print(f"bf16 vs fp32: loss {l16:.6g} vs {l32:.6g} (rel {abs(l16 - l32) / abs(l32):.2e}), "
+          f"grad norm {g16:.6g} vs {g32:.6g} (rel {abs(g16 - g32) / g32:.2e})")
     assert abs(l16 - l32) <= BF16_RTOL * abs(l32)
     assert abs(g16 - g32) <= BF16_RTOL * g32
 
