@@ -239,8 +239,10 @@ def test_scanned_backward_temporaries_stay_flat_and_the_update_is_in_place():
     small = 8 * one_layer // 100
     assert apply.temp_size_in_bytes < small and scale.temp_size_in_bytes < small, (
         apply.temp_size_in_bytes, scale.temp_size_in_bytes)
-    assert apply.alias_size_in_bytes == apply.output_size_in_bytes  # state updated in place
-    assert scale.alias_size_in_bytes == scale.output_size_in_bytes  # the sum divided in place
+    # Every array updated in place; only scalars (step and schedule counts: measured 288 bytes
+    # of the update's outputs) may be fresh buffers.
+    assert apply.output_size_in_bytes - apply.alias_size_in_bytes < 1024  # the state
+    assert scale.output_size_in_bytes - scale.alias_size_in_bytes < 1024  # the gradient sum
 
 
 def test_custom_policy_falls_back_to_full_logits():
