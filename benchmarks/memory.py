@@ -5,22 +5,28 @@ A random-initialised `Decoder` with Qwen2.5-0.5B's shape (vocab 151,936, d_model
 device. Each variant runs in a fresh subprocess (ru_maxrss never decreases), one at a time:
 
 1. init: params (jitted init) and the AdamW state (`tx.init`), the train state the step donates;
-2. rollout: an `Engine` on those weights with a small KV pool; prefill of a 48-token prompt and
-   8 decode steps; the engine is then dropped (its weights are the trainer's, no copy);
+2. rollout: an `Engine` on serving weights made from the params as launch makes them
+   (`models.policy.serving_params`: per layer, matrices in the compute dtype) with a small KV
+   pool; prefill of a 48-token prompt and 8 decode steps; engine and serving weights are then
+   dropped;
 3. train: one GRPO step of 4 × 1,024 tokens through the trainer's jitted kernels
    (`ref_actor.make_kernels`): the Actor forward returning its vjp, the deferred backward into a
-   gradient sum, AdamW apply (state donated). kl_coef = 0 as in the embedded default, so no Ref
-   forward and no Ref params (`TrainerBackend` would also hold a Ref copy of the params, +1×
-   params; it is not used here so that the figure is the step's own).
+   gradient sum, scale_grads + AdamW apply (sum and state donated). kl_coef = 0 as in the
+   embedded default, so no Ref forward and no Ref params (`TrainerBackend` keeps no Ref copy
+   then either).
 
-Reported per variant: bytes of params + optimizer state, ru_maxrss after each phase, and
-peak / (params + optimizer). A watchdog ends a child whose RSS passes --rss-limit-gb (the box is
+Variants: `scan-*` stack the layers (model.scan_layers) with the rematerialising scan and
+128-token chunks (trainer.token_chunk); `unrolled-*` remat each block of an unrolled stack;
+`*-unchunked-*` use the whole-batch head (trainer.head_chunk=0), the others 256-token chunks.
+
+Reported per variant: bytes of params + optimizer state, the peak RSS sampled within each
+phase, and peak / (params + optimizer). A watchdog ends a child whose RSS passes --rss-limit-gb (the box is
 shared) and the variant is reported as over the limit.
 
     python benchmarks/memory.py                       # the default variant set
-    python benchmarks/memory.py --variants chunked-remat-fp32,unchunked-remat-fp32
+    python benchmarks/memory.py --variants scan-fp32,unrolled-fp32
     python benchmarks/memory.py --layers 2 --tokens 256   # a quick smoke run
-    python benchmarks/memory.py --analyze --variants chunked-remat-fp32   # compile-only sizes
+    python benchmarks/memory.py --analyze --variants scan-fp32   # compile-only sizes
 
 The last line is one JSON object with `peak_over_state` (the first variant's) and
 `chunked_over_unchunked_peak` (first chunked vs first unchunked variant, when both ran).
@@ -39,13 +45,16 @@ import time
 from pathlib import Path
 
 VARIANTS = {
-    # name: (head_chunk, remat, param_dtype, compute_dtype)
-    "chunked-remat-fp32": (256, True, "float32", "float32"),
-    "unchunked-remat-fp32": (0, True, "float32", "float32"),
-    "chunked-remat-bf16c": (256, True, "float32", "bfloat16"),
-    "chunked-noremat-fp32": (256, False, "float32", "float32"),
+    # name: trainer/model settings. `scan`: model.scan_layers; `attn`: trainer.token_chunk.
+    "scan-fp32": dict(head_chunk=256, remat=True, scan=True, attn=128, compute="float32"),
+    "scan-unchunked-fp32": dict(head_chunk=0, remat=True, scan=True, attn=128,
+                                compute="float32"),
+    "scan-bf16c": dict(head_chunk=256, remat=True, scan=True, attn=128, compute="bfloat16"),
+    # Before scanned layers and chunked attention: an unrolled stack of remat'd blocks.
+    "unrolled-fp32": dict(head_chunk=256, remat=True, scan=False, attn=0, compute="float32"),
+    "unrolled-bf16c": dict(head_chunk=256, remat=True, scan=False, attn=0, compute="bfloat16"),
 }
-DEFAULT = "chunked-remat-fp32,unchunked-remat-fp32,chunked-remat-bf16c"
+DEFAULT = "scan-fp32,scan-unchunked-fp32,scan-bf16c"
 
 
 def _rss_now() -> int:
@@ -57,15 +66,65 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+_PHASE = {"name": "start", "peaks": {}}
+
+
 def _watchdog(limit: int) -> None:
+    """Ends the child past `limit` bytes of RSS; records each phase's sampled peak RSS."""
+
     def run():
         while True:
-            if _rss_now() > limit:
-                print(json.dumps({"over_limit": True, "rss": _rss_now()}), flush=True)
+            rss = _rss_now()
+            peaks = _PHASE["peaks"]
+            peaks[_PHASE["name"]] = max(peaks.get(_PHASE["name"], 0), rss)
+            if rss > limit:
+                print(json.dumps({"over_limit": True, "rss": rss, "phase": _PHASE["name"]}),
+                      flush=True)
                 os._exit(3)
-            time.sleep(0.05)
+            time.sleep(0.02)
 
     threading.Thread(target=run, daemon=True).start()
+
+
+def _phase(name: str) -> None:
+    peaks = _PHASE["peaks"]
+    peaks[_PHASE["name"]] = max(peaks.get(_PHASE["name"], 0), _rss_now())
+    _PHASE["name"] = name
+
+
+def _configs(name: str, layers: int):
+    from tiderl.models.config import ModelConfig
+    from tiderl.train.config import TrainerConfig
+
+    v = VARIANTS[name]
+    mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=layers, n_heads=14,
+                       n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
+                       tie_embeddings=True, rope_theta=1e6, max_seq_len=32768,
+                       param_dtype="float32", compute_dtype=v["compute"],
+                       scan_layers=v["scan"])
+    tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, entropy_max=2.3,
+                         head_chunk=v["head_chunk"], remat=v["remat"],
+                         token_chunk=v["attn"], lr=1e-6)
+    return v, mcfg, tcfg
+
+
+def _batch(rows: int, t: int, vocab: int):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    seg = np.ones((rows, t), np.int32)
+    seg[:, t // 2:] = 2  # two packed sequences per row
+    pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(rows, 0)
+    mask = np.zeros((rows, t), np.float32)
+    mask[:, t // 4: t // 2] = mask[:, 3 * t // 4:] = 1.0
+    return {
+        "tokens_bt": rng.integers(0, vocab, (rows, t)).astype(np.int32),
+        "positions_bt": pos.astype(np.int32), "segment_ids_bt": seg,
+        "loss_mask_bt": mask,
+        "behaviour_logprobs_bt": np.full((rows, t), -11.9, np.float32) * mask,
+        "advantages_bt": rng.standard_normal((rows, t)).astype(np.float32) * mask,
+        "versions_bt": np.zeros((rows, t), np.int32),
+    }
 
 
 def child(args: argparse.Namespace) -> None:
@@ -74,27 +133,23 @@ def child(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from tiderl.models.config import ModelConfig
-    from tiderl.models.policy import init_policy
+    from tiderl.models.policy import abstract_policy, init_policy, serving_config, serving_params
     from tiderl.models.sharding import make_mesh
     from tiderl.serving.config import RolloutConfig
     from tiderl.serving.engine import Engine
-    from tiderl.train.config import TrainerConfig
     from tiderl.train.grpo import LossSpec
     from tiderl.train.ref_actor import make_kernels, make_optimizer, train_shardings
 
-    chunk, remat, pd, cd = VARIANTS[args.child]
-    mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=args.layers, n_heads=14,
-                       n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
-                       tie_embeddings=True, rope_theta=1e6, max_seq_len=32768,
-                       param_dtype=pd, compute_dtype=cd)
-    tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, entropy_max=2.3, head_chunk=chunk,
-                         remat=remat, lr=1e-6)
-    out: dict = {"variant": args.child, "head_chunk": chunk, "remat": remat,
-                 "param_dtype": pd, "compute_dtype": cd, "layers": args.layers,
-                 "rss_start": _maxrss()}
-    t0 = time.perf_counter()
+    v, mcfg, tcfg = _configs(args.child, args.layers)
+    out: dict = {"variant": args.child, **v, "layers": args.layers, "tokens": args.tokens}
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     mesh = make_mesh(jax.devices()[:1], data=1)
+    jax.block_until_ready(jnp.ones(8) + 1)  # the backend is up: the process's own footprint
+    out["rss_process"] = _rss_now()
+    t0 = time.perf_counter()
+
+    # --- init: params and the AdamW state, the train state the step donates -----------------
+    _phase("init")
     graphdef, params = init_policy(mcfg, seed=0, mesh=mesh)
     tx = make_optimizer(tcfg)
     sh = train_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params),
@@ -103,60 +158,53 @@ def child(args: argparse.Namespace) -> None:
     state = {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
     del params, opt
     jax.block_until_ready(state)
-    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
     out["n_params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    out["params_bytes"] = nbytes(state["params"])
     out["state_bytes"] = nbytes(state["params"]) + nbytes(state["opt"])
-    out["rss_init"] = _maxrss()
+    out["rss_after_init"] = _rss_now()
 
-    # --- rollout turn ---------------------------------------------------------------------
+    # --- rollout turn: an engine on serving weights (per layer, compute dtype), as launch
+    # feeds its engines (`TrainerBackend.export_weights`); dropped before training ------------
+    _phase("rollout")
     rcfg = RolloutConfig(page_size=16, num_pages=32, max_slots=2, max_context=256,
                          max_action_tokens=8, decode_buckets=(1, 2), prefill_buckets=(64,))
-    eng = Engine(graphdef, state["params"], mcfg, rcfg, seed=0)
+    weights = jax.jit(lambda p: serving_params(p, mcfg))(state["params"])
+    out["serving_bytes"] = nbytes(weights)
+    eng = Engine(abstract_policy(serving_config(mcfg))[0], weights, mcfg, rcfg, seed=0)
     dstate = eng.init_decode_state()
     prompt = [int(x) for x in np.random.default_rng(0).integers(0, mcfg.vocab_size, 48)]
-    p = eng.prefill(state["params"], None, prompt, len(prompt), task_id=1)
+    p = eng.prefill(weights, None, prompt, len(prompt), task_id=1)
     dstate = eng.insert(p, dstate)
     while p.decoding:
         dstate, _ = eng.generate(None, dstate)
     out["action_tokens"] = len(p.action_tokens)
-    del eng, dstate, p
-    out["rss_rollout"] = _maxrss()
+    del eng, dstate, p, weights
     out["t_rollout"] = time.perf_counter() - t0
 
-    # --- one train step: 4 rows × `tokens` ---------------------------------------------------
-    rows, t = 4, args.tokens
-    rng = np.random.default_rng(1)
-    seg = np.ones((rows, t), np.int32)
-    seg[:, t // 2:] = 2  # two packed sequences per row
-    pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(rows, 0)
-    mask = np.zeros((rows, t), np.float32)
-    mask[:, t // 4: t // 2] = mask[:, 3 * t // 4:] = 1.0
-    batch = {
-        "tokens_bt": rng.integers(0, mcfg.vocab_size, (rows, t)).astype(np.int32),
-        "positions_bt": pos.astype(np.int32), "segment_ids_bt": seg,
-        "loss_mask_bt": mask,
-        "behaviour_logprobs_bt": np.full((rows, t), -11.9, np.float32) * mask,
-        "advantages_bt": rng.standard_normal((rows, t)).astype(np.float32) * mask,
-        "versions_bt": np.zeros((rows, t), np.int32),
-    }
-    batch = jax.device_put(batch, sh.batch)
-    k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh, head_chunk=chunk,
-                     remat=remat)
+    # --- one train step: 4 rows × `tokens` through the trainer's kernels ---------------------
+    _phase("actor_fwd")
+    batch = jax.device_put(_batch(4, args.tokens, mcfg.vocab_size), sh.batch)
+    k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh,
+                     head_chunk=tcfg.head_chunk, remat=tcfg.remat,
+                     token_chunk=tcfg.token_chunk)
     t1 = time.perf_counter()
     outs, vjp = jax.block_until_ready(k.actor_forward(state["params"], batch))
-    out["rss_actor_fwd"] = _maxrss()
+    out["residual_bytes"] = nbytes(vjp.residuals)
+    _phase("backward")
     grads, metrics = jax.block_until_ready(k.backward(  # None: the step's first micro-batch
         vjp, outs, jnp.zeros_like(batch["loss_mask_bt"]), batch, jnp.int32(0), None))
-    del vjp
-    out["rss_backward"] = _maxrss()
-    state, m = k.apply(state, grads, jnp.float32(max(float(mask.sum()), 1.0)))
+    del vjp, outs
+    out["grads_bytes"] = nbytes(grads)
+    _phase("apply")
+    grads, gnorm = k.scale_grads(grads, jnp.float32(max(float(batch["loss_mask_bt"].sum()), 1)))
+    state = jax.block_until_ready(k.apply(state, grads))
     del grads
-    jax.block_until_ready(state)
+    _phase("end")
     out["t_train"] = time.perf_counter() - t1
-    out["grad_norm"] = float(m["grad_norm"])
+    out["grad_norm"] = float(gnorm)
     out["loss_sum"] = float(metrics["loss_sum"])
-    out["rss_train"] = out["rss_apply"] = _maxrss()
-    out["peak"] = out["rss_train"]
+    out["phase_peaks"] = {k_: v_ for k_, v_ in _PHASE["peaks"].items() if k_ != "end"}
+    out["peak"] = max(_maxrss(), *out["phase_peaks"].values())
     out["peak_over_state"] = out["peak"] / out["state_bytes"]
     print(json.dumps(out), flush=True)
 
@@ -168,28 +216,23 @@ def analyze(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from tiderl.models.config import ModelConfig
     from tiderl.models.policy import policy_class
     from tiderl.models.sharding import make_mesh
-    from tiderl.train.config import TrainerConfig
     from tiderl.train.grpo import LossSpec
     from tiderl.train.ref_actor import make_kernels, make_optimizer, train_shardings
 
     gib, sds = 2**30, jax.ShapeDtypeStruct
     for name in args.variants.split(","):
-        chunk, remat, pd, cd = VARIANTS[name]
-        mcfg = ModelConfig(vocab_size=151936, d_model=896, n_layers=args.layers, n_heads=14,
-                           n_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
-                           param_dtype=pd, compute_dtype=cd)
+        _, mcfg, tcfg = _configs(name, args.layers)
         graphdef, ap = nnx.split(nnx.eval_shape(
             lambda mcfg=mcfg: policy_class(mcfg)(mcfg, rngs=nnx.Rngs(0))))
         ap = jax.tree.map(lambda x: sds(x.shape, x.dtype), ap)
         mesh = make_mesh(jax.devices()[:1], data=1)
-        tcfg = TrainerConfig(kl_coef=0.0, entropy_coef=0.03, head_chunk=chunk, remat=remat)
         tx = make_optimizer(tcfg)
         sh = train_shardings(ap, tx, mesh)
-        k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh, head_chunk=chunk,
-                         remat=remat)
+        k = make_kernels(graphdef, tx, LossSpec.from_config(tcfg), 1.0, sh,
+                         head_chunk=tcfg.head_chunk, remat=tcfg.remat,
+                         token_chunk=tcfg.token_chunk)
         rows, t = 4, args.tokens
         ints = {"tokens_bt", "positions_bt", "segment_ids_bt", "versions_bt"}
         batch = {key: sds((rows, t), jnp.int32 if key in ints else jnp.float32)
@@ -201,7 +244,8 @@ def analyze(args: argparse.Namespace) -> None:
         lowered = {
             "backward": k.backward.lower(vjp, outs, sds((rows, t), jnp.float32), batch,
                                          sds((), jnp.int32), None),
-            "apply": k.apply.lower(state, ap, sds((), jnp.float32)),
+            "scale": k.scale_grads.lower(ap, sds((), jnp.float32)),
+            "apply": k.apply.lower(state, ap),
         }
         res = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(vjp.residuals)) / gib
         print(f"{name}: vjp residuals (params excluded) {res:.2f} GiB", flush=True)
@@ -256,16 +300,26 @@ def main() -> None:
         results.append(res)
         print(json.dumps(res), file=sys.stderr, flush=True)
     gib = 2**30
-    print(f"{'variant':24} {'chunk':>5} {'remat':>5} {'dtype p/c':>17} {'state GiB':>9} "
-          f"{'init':>6} {'rollout':>7} {'train':>6} {'peak/state':>10} {'t_train s':>9}")
+    phases = ("init", "rollout", "actor_fwd", "backward", "apply")
+    print(f"{'variant':20} {'state':>6} {'process':>7} " + " ".join(f"{p:>9}" for p in phases)
+          + f" {'peak':>6} {'peak/state':>10} {'t_train s':>9}   (GiB; phase columns: "
+          "peak RSS sampled within each phase)")
     for r in results:
         if "peak" not in r:
-            print(f"{r['variant']:24} failed: {'over --rss-limit-gb' if r.get('over_limit') else r}")
+            why = (f"over --rss-limit-gb in phase {r.get('phase')}" if r.get("over_limit")
+                   else r)
+            print(f"{r['variant']:20} failed: {why}")
             continue
-        print(f"{r['variant']:24} {r['head_chunk']:>5} {r['remat']!s:>5} "
-              f"{r['param_dtype'] + '/' + r['compute_dtype']:>17} {r['state_bytes'] / gib:9.2f} "
-              f"{r['rss_init'] / gib:6.2f} {r['rss_rollout'] / gib:7.2f} "
-              f"{r['rss_train'] / gib:6.2f} {r['peak_over_state']:10.3f} {r['t_train']:9.1f}")
+        pk = r["phase_peaks"]
+        print(f"{r['variant']:20} {r['state_bytes'] / gib:6.2f} {r['rss_process'] / gib:7.2f} "
+              + " ".join(f"{pk.get(p, 0) / gib:9.2f}" for p in phases)
+              + f" {r['peak'] / gib:6.2f} {r['peak_over_state']:10.3f} {r['t_train']:9.1f}")
+    for r in results:
+        if "peak" in r:
+            print(f"  {r['variant']}: params {r['params_bytes'] / gib:.2f}, optimizer "
+                  f"{(r['state_bytes'] - r['params_bytes']) / gib:.2f}, gradient "
+                  f"{r['grads_bytes'] / gib:.2f}, vjp residuals {r['residual_bytes'] / gib:.2f}, "
+                  f"serving weights {r['serving_bytes'] / gib:.2f} GiB")
     ok = [r for r in results if "peak" in r]
     chunked = next((r for r in ok if r["head_chunk"]), None)
     unchunked = next((r for r in ok if not r["head_chunk"]), None)

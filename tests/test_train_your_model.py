@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
-# The README's CPU smoke preset as written (two steps, a checkpoint at step 2). A tiny random
+# The README's CPU smoke preset as written (four steps, a checkpoint at step 4). A tiny random
 # model never wins the default task, so every group's rewards are equal: keep those groups and
 # let an entropy bonus and a large learning rate move the weights, so the export can be told
 # from the source.
@@ -50,51 +50,75 @@ def _folder(path, family, **shape):
     return model
 
 
-def _run(module, *args, timeout=600):
-    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                       timeout=timeout)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return r
+def _start(module, *args):
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3.2", "qwen3"])
-def test_train_a_checkpoint_and_export_it_back(tmp_path, family):
-    """The preset is model-independent: the same command trains each family."""
+def _wait(procs, timeout=900):
+    """Waits for every named process; one assertion naming each that failed, with its tail."""
+    failed = []
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        if proc.returncode != 0:
+            failed.append(f"{name}: rc={proc.returncode}\n{out[-1500:]}{err[-3000:]}")
+    assert not failed, "\n\n".join(failed)
+
+
+FAMILIES = ("qwen2", "llama3.2", "qwen3")
+
+
+@pytest.mark.timeout(1800)  # three launches in one test (side by side)
+def test_train_a_checkpoint_and_export_it_back(tmp_path):
+    """The preset is model-independent: the same command trains each family. The three
+    families' launches (then their exports) run side by side, as separate processes: each is
+    mostly single-threaded compilation, so together they use the cores one alone leaves idle."""
     import jax
     from flax import nnx
 
     from tiderl.export import load_run_params
 
-    ckpt, run, out = tmp_path / "ckpt", tmp_path / "run", tmp_path / "export"
-    source = _folder(ckpt, family)
-    _run("tiderl.launch", f"model.checkpoint={ckpt}", f"run_dir={run}", *RUN)
-    # The resolved config is the checkpoint's shape, with its tokenizer.
-    model = yaml.safe_load((run / "config.yaml").read_text())["model"]
-    assert (model["vocab_size"], model["d_model"], model["n_layers"], model["mlp_dim"]) == (
-        640, 32, 2, 64)
-    assert model["tokenizer"] == str(ckpt)
-    assert (model["head_dim"], model["qk_norm"]) == ((16, True) if family == "qwen3" else (8, False))
-    assert model["rope_scaling"] == ("llama3" if family == "llama3.2" else "none")
-    assert (run / "checkpoints" / "2").is_dir()
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["consumed_tokens"] > 0, summary
-    assert summary["rollout"]["tasks_ended"] > 0
+    dirs = {f: (tmp_path / f / "ckpt", tmp_path / f / "run", tmp_path / f / "export")
+            for f in FAMILIES}
+    sources = {f: _folder(dirs[f][0], f) for f in FAMILIES}
+    _wait({f: _start("tiderl.launch", f"model.checkpoint={ckpt}", f"run_dir={run}", *RUN)
+           for f, (ckpt, run, _) in dirs.items()})
+    _wait({f: _start("tiderl.export", str(run), str(out)) for f, (_, run, out) in dirs.items()})
+    for family, (ckpt, run, out) in dirs.items():
+        # The resolved config is the checkpoint's shape, with its tokenizer.
+        model = yaml.safe_load((run / "config.yaml").read_text())["model"]
+        assert (model["vocab_size"], model["d_model"], model["n_layers"], model["mlp_dim"]) == (
+            640, 32, 2, 64), family
+        assert model["tokenizer"] == str(ckpt)
+        assert (model["head_dim"], model["qk_norm"]) == (
+            (16, True) if family == "qwen3" else (8, False)), family
+        assert model["rope_scaling"] == ("llama3" if family == "llama3.2" else "none")
+        assert model["scan_layers"] is True  # the preset's stacked layout, from an HF folder
+        assert (run / "checkpoints" / "4").is_dir(), family
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 4 and summary["consumed_tokens"] > 0, (family, summary)
+        assert summary["rollout"]["tasks_ended"] > 0, family
 
-    _run("tiderl.export", str(run), str(out))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(hf) is type(source)
-    tokens = np.random.default_rng(0).integers(0, 640, (2, 80))
-    with torch.no_grad():
-        want = hf(torch.tensor(tokens)).logits.numpy()
-        before = source.eval()(torch.tensor(tokens)).logits.numpy()
-    loaded = load_run_params(run)
-    policy = nnx.merge(loaded.graphdef, loaded.params)
-    pos = np.broadcast_to(np.arange(80), (2, 80))
-    got, _ = policy(jax.numpy.asarray(tokens), jax.numpy.asarray(pos), np.ones((2, 80), np.int32))
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
-    assert np.abs(want - before).max() > 1e-4  # the export holds the trained weights
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and len(tok) <= 640
+        source = sources[family]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(hf) is type(source)
+        tokens = np.random.default_rng(0).integers(0, 640, (2, 80))
+        with torch.no_grad():
+            want = hf(torch.tensor(tokens)).logits.numpy()
+            before = source.eval()(torch.tensor(tokens)).logits.numpy()
+        loaded = load_run_params(run)
+        policy = nnx.merge(loaded.graphdef, loaded.params)
+        pos = np.broadcast_to(np.arange(80), (2, 80))
+        got, _ = policy(jax.numpy.asarray(tokens), jax.numpy.asarray(pos),
+                        np.ones((2, 80), np.int32))
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=family)
+        assert np.abs(want - before).max() > 1e-4, family  # the export holds trained weights
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert tok.chat_template and len(tok) <= 640, family
 
 
 @pytest.mark.parametrize("preset,devices", [("cpu-smoke", 2), ("gpu-1", 1), ("gpu-8", 8)])

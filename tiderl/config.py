@@ -198,7 +198,7 @@ BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaul
 # Model keys the run chooses; every other `model.*` key describes the network's shape, which a
 # checkpoint (`model.checkpoint`, `model.init_from`) defines.
 MODEL_RUN_KEYS = frozenset({"policy", "checkpoint", "init_from", "tokenizer", "param_dtype",
-                            "compute_dtype", "init_std", "attention_impl"})
+                            "compute_dtype", "init_std", "attention_impl", "scan_layers"})
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -34,6 +34,7 @@ from typing import Any
 from tiderl.agent import HostAgent, RemoteRank, Router
 from tiderl.cells import RoleMap, role_map
 from tiderl.config import RunConfig
+from tiderl.configlib import ConfigError
 from tiderl.distributed import DistributedConfig, StoppedByLeader, World, initialize
 
 log = logging.getLogger(__name__)
@@ -282,4 +283,7 @@ def site_for(cfg: RunConfig) -> LocalSite:
     world = initialize(cfg.distributed)
     if world.size == 1:
         return LocalSite(cfg, world)
+    if cfg.model.scan_layers:  # the cross-process weight sync moves the trainer's own layout
+        raise ConfigError("config key 'model.scan_layers'=true runs on one process only for "
+                          f"now (this world has {world.size}); set model.scan_layers=false")
     return LeaderSite(cfg, world) if world.is_leader else FollowerSite(cfg, world)

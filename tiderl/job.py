@@ -128,7 +128,7 @@ async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
     flowing; it returns the sync's bytes and GB/s for the step's record."""
     from tiderl.weightsync import local_replica, put_local, rank_shardings
 
-    targets = [rank_shardings(trainer._abstract, m) for m in meshes["rollout"]]
+    targets = [rank_shardings(trainer.serving_abstract, m) for m in meshes["rollout"]]
     # Engines serve the weights in the compute dtype (bf16 runs: half the bytes per decode
     # step, same values; serving/weights.py); the cast runs off the event loop too.
     def place(exported: Any) -> Any:
@@ -207,7 +207,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
 
         def build_engine() -> Engine:
             served = jax.device_put(serving_weights(weights, cfg.model), device)
-            return Engine(graphdef, served, cfg.model, rcfg, seed=cfg.seed, version=version)
+            return Engine(trainer.serving_graphdef, served, cfg.model, rcfg, seed=cfg.seed,
+                          version=version)
 
         rank = RolloutRank(rank_id, await asyncio.to_thread(build_engine),
                            max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
@@ -245,7 +246,9 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     else:
         # Engines on each rank's device or tensor-parallel cell; on several processes, remote
         # ranks for the others' (tiderl.hosts). `sync_weights` moves new weights to all of them.
-        site_ranks, site_sync = await site.ranks(cfg, trainer, graphdef, meshes, rcfg)
+        # The engines run the trainer's serving layout (per layer under model.scan_layers).
+        site_ranks, site_sync = await site.ranks(cfg, trainer, trainer.serving_graphdef, meshes,
+                                                 rcfg)
         # A copy: the site's sync keeps its own list (slots is cleared once the manager holds
         # the ranks).
         slots, pending_start = list(site_ranks), list(site_ranks)

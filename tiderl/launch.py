@@ -152,13 +152,15 @@ def build(cfg: RunConfig):
         from tiderl.models.hf import from_pretrained
 
         _, params = nnx.split(from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
-                                              mesh=meshes["actor"]))
+                                              mesh=meshes["actor"],
+                                              scan_layers=cfg.model.scan_layers))
     elif cfg.model.init_from:
         from tiderl.config import split_init_from
         from tiderl.export import load_run_params
+        from tiderl.models.policy import convert_layout
 
-        params = load_run_params(*split_init_from(cfg.model.init_from),
-                                 mesh=meshes["actor"]).params
+        source = load_run_params(*split_init_from(cfg.model.init_from), mesh=meshes["actor"])
+        params = convert_layout(source.params, source.model, scan_layers=cfg.model.scan_layers)
         params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
     else:
         graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])

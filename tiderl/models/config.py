@@ -57,6 +57,13 @@ class ModelConfig:
     'pallas' (flash attention with segment ids; interpret mode off-GPU), 'cudnn' (cuDNN flash
     attention, GPU, bf16), 'auto' (cudnn, else pallas on a GPU; xla elsewhere). All compute the
     same packed causal attention; serving uses the engine's paged kernels instead."""
+    scan_layers: bool = False
+    """Store the blocks' parameters stacked (one array per kind with a leading layer axis) and
+    run the training forward as one `lax.scan` over them: one compiled block (faster compiles
+    of deep models) and, with trainer.remat, a backward that recomputes one block at a time
+    (XLA:CPU overlaps several blocks' recomputations of an unrolled stack). A layout choice of
+    the run, not of the checkpoint: HF import/export and `model.init_from` convert; engines are
+    fed per-layer weights (`policy.serving_params`). Built-in decoder only."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -85,6 +92,9 @@ class ModelConfig:
                 raise ConfigError(f"config key 'model.rope_original_max_len'="
                                   f"{self.rope_original_max_len} must be positive; set the "
                                   "pre-training context length")
+        if self.scan_layers and self.policy != "decoder":
+            raise ConfigError(f"config key 'model.scan_layers'=true needs the built-in decoder, "
+                              f"not model.policy={self.policy!r}; set model.scan_layers=false")
         if self.policy != "decoder" and ":" not in self.policy:
             raise ConfigError(
                 f"config key 'model.policy'={self.policy!r}: use 'decoder' or "

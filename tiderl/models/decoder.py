@@ -2,6 +2,10 @@
 
 `__call__(tokens, positions, segment_ids, *, cache=None) -> (logits, cache)`:
 - `cache=None` is the training path: packed rows, attention causal within a segment only.
+  With `model.scan_layers` the blocks' parameters are stacked (a leading layer axis) and the
+  training path is one `lax.scan` over them (one compiled block; under remat the backward
+  recomputes one block at a time, where XLA:CPU overlaps several blocks' recomputations of an
+  unrolled stack).
 - otherwise `cache` is an `AttentionCache` (the serving path's paged KV view); each layer hands
   its fresh q/k/v to `cache.attend(layer, ...)`, which stores k/v and attends over the resident
   context, and returns the updated cache. That is the one seam the engine plugs into.
@@ -21,7 +25,7 @@ from jaxtyping import Array, Float, Int
 
 from tiderl.models.attention import resolve_impl, train_attention, training_mask
 from tiderl.models.config import ModelConfig
-from tiderl.models.layers import rms_norm, rope
+from tiderl.models.layers import attend_query_chunked, map_time_chunks, rms_norm, rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -75,7 +79,10 @@ class Attention(nnx.Module):
             self.q_norm_dh = _ones((dh,), ("head_dim",), pd)
             self.k_norm_dh = _ones((dh,), ("head_dim",), pd)
 
-    def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int):
+    def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int,
+                 token_chunk: int = 0):
+        """`mask_btt`: the packed causal mask, or the segment ids [B, T] with
+        `token_chunk` > 0 (query-chunked attention builds its mask per chunk)."""
         cd = x_btd.dtype
         q = jnp.einsum("btd,dhk->bthk", x_btd, self.wq_dhk[...].astype(cd))
         k = jnp.einsum("btd,dhk->bthk", x_btd, self.wk_dkh[...].astype(cd))
@@ -89,8 +96,12 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
         q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
         k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
-        if cache is None:  # mask_btt: what training_mask gave for this kernel
-            out = train_attention(q, k, v, mask_btt, _train_impl(self.cfg, q.shape[1]))
+        if cache is None:
+            impl = _train_impl(self.cfg, q.shape[1])
+            if token_chunk and impl == "xla":  # mask_btt: the segment ids (see above)
+                out = attend_query_chunked(q, k, v, mask_btt, token_chunk)
+            else:  # the fused kernels keep no T×T scores anyway: no query chunks
+                out = train_attention(q, k, v, mask_btt, impl)
         else:
             out, cache = cache.attend(layer, q, k, v)
         return jnp.einsum("bthk,hkd->btd", out, self.wo_hkd[...].astype(cd)), cache
@@ -103,11 +114,16 @@ class MLP(nnx.Module):
         self.w_up_df = _param(rngs, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), std, pd)
         self.w_down_fd = _param(rngs, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), std, pd)
 
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, *, chunk: int = 0):
+        """`chunk` > 0: that many positions at a time, recomputed in the backward (training)."""
         cd = x_btd.dtype
-        gate = x_btd @ self.w_gate_df[...].astype(cd)
-        up = x_btd @ self.w_up_df[...].astype(cd)
-        return (jax.nn.silu(gate) * up) @ self.w_down_fd[...].astype(cd)
+        w_gate, w_up = self.w_gate_df[...].astype(cd), self.w_up_df[...].astype(cd)
+        w_down = self.w_down_fd[...].astype(cd)
+
+        def mlp(x):
+            return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+        return map_time_chunks(mlp, x_btd, chunk) if chunk else mlp(x_btd)
 
 
 class Block(nnx.Module):
@@ -119,12 +135,75 @@ class Block(nnx.Module):
         self.mlp_norm_d = _ones((cfg.d_model,), ("norm",), pd)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int):
+    def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int,
+                 token_chunk: int = 0):
         h, cache = self.attn(rms_norm(x_btd, self.attn_norm_d[...], self.eps), positions_bt,
-                             mask_btt, cache=cache, layer=layer)
+                             mask_btt, cache=cache, layer=layer, token_chunk=token_chunk)
         x_btd = x_btd + h
-        x_btd = x_btd + self.mlp(rms_norm(x_btd, self.mlp_norm_d[...], self.eps))
+        x_btd = x_btd + self.mlp(rms_norm(x_btd, self.mlp_norm_d[...], self.eps),
+                                 chunk=token_chunk if cache is None else 0)
         return x_btd, cache
+
+
+def _store(x: Array) -> Array:
+    # bf16 is kept as its bits: XLA:CPU upcasts a bf16 dynamic-slice to fp32, and hoists the
+    # upcast of the whole stacked array out of the backward loop (an fp32 copy of every saved
+    # layer input at once). Integers slice as they are.
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _load(x: Array, dtype: Any) -> Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def scan_remat(apply: Any, stacked: Any, x_btd: Array, consts: tuple) -> Array:
+    """`x ← apply(layer_state, x, consts)` over the stacked layers, rematerialised per layer.
+
+    What `lax.scan(jax.checkpoint(body))` computes, written out so the saved layer inputs are
+    stored as bits (see `_store`). The forward keeps each layer's input; the backward runs the
+    layers in reverse, recomputing one layer at a time from its input and pulling the
+    cotangent through it (`jax.vjp`), writing each layer's parameter gradient into the stacked
+    gradient. `consts` (positions, masks: integers or booleans) get no gradient.
+    """
+    dtype = x_btd.dtype
+
+    @jax.custom_vjp
+    def stack(stacked, x, consts):
+        return jax.lax.scan(lambda x, st: (apply(st, x, consts), None), x, stacked)[0]
+
+    def fwd(stacked, x, consts):
+        def body(x, st):
+            return apply(st, x, consts), _store(x)
+
+        y, saved = jax.lax.scan(body, x, stacked)
+        return y, (stacked, saved, consts)
+
+    def bwd(res, dy):
+        stacked, saved, consts = res
+
+        def body(dy, xs):
+            st, x_saved = xs
+            _, vjp = jax.vjp(lambda st, x: apply(st, x, consts), st, _load(x_saved, dtype))
+            dst, dx = vjp(dy)
+            return dx, dst
+
+        dx, dstacked = jax.lax.scan(body, dy, (stacked, saved), reverse=True)
+        return dstacked, dx, jax.tree.map(lambda _: None, consts)
+
+    stack.defvjp(fwd, bwd)
+    return stack(stacked, x_btd, consts)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """`n_layers` blocks as one Block whose parameters have a leading layer axis (logical name
+    'layers', never sharded), each layer initialised from its own split of `rngs`."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    return make(rngs)
 
 
 class Decoder(nnx.Module):
@@ -136,7 +215,10 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                                cfg.init_std, pd)
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm_d = _ones((cfg.d_model,), ("norm",), pd)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
@@ -161,25 +243,61 @@ class Decoder(nnx.Module):
         *,
         cache: AttentionCache | None = None,
         remat: bool = False,
+        token_chunk: int = 0,
     ) -> tuple[Float[Array, "B T D"], AttentionCache | None]:
         """Final hidden states (after the final norm, compute dtype), without the vocab head.
 
         The trainer applies the head in chunks (train/head.py) and the engine only at sampled
-        positions, so neither holds a B×T×V array. `remat` (training path only) recomputes each
-        block in the backward: only block inputs are kept between forward and backward.
+        positions, so neither holds a B×T×V array. Training path only: `remat` recomputes each
+        block in the backward (only block inputs are kept between forward and backward);
+        `token_chunk` > 0 runs each block's attention queries and MLP that many positions at a
+        time (`attend_query_chunked`, `map_time_chunks`: no T×T scores per head, no T×mlp_dim
+        intermediates).
         """
         cd = DTYPES[self.cfg.compute_dtype]
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(cd)
-        mask_btt = (training_mask(segment_ids_bt, _train_impl(self.cfg, tokens_bt.shape[1]))
-                    if cache is None else None)
-        if remat and cache is None:
-            step = nnx.remat(lambda blk, x, pos, mask: blk(x, pos, mask, cache=None, layer=0)[0])
+        if cache is not None:
+            for i, block in enumerate(self._blocks()):
+                x_btd, cache = block(x_btd, positions_bt, None, cache=cache, layer=i)
+            return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), cache
+        # Query-chunked attention builds its mask per chunk from the segment ids.
+        mask_btt = (segment_ids_bt if token_chunk
+                    else training_mask(segment_ids_bt, _train_impl(self.cfg, tokens_bt.shape[1])))
+
+        def run(block, x, pos, mask):
+            return block(x, pos, mask, cache=None, layer=0, token_chunk=token_chunk)[0]
+
+        if self.cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def apply(layer_state, x, consts):
+                return run(nnx.merge(graphdef, layer_state), x, *consts)
+
+            consts = (positions_bt, mask_btt)
+            if remat:
+                x_btd = scan_remat(apply, stacked, x_btd, consts)
+            else:
+                x_btd, _ = jax.lax.scan(lambda x, st: (apply(st, x, consts), None), x_btd,
+                                        stacked)
+        elif remat:
+            step = nnx.remat(run)
             for block in self.layers:
                 x_btd = step(block, x_btd, positions_bt, mask_btt)
         else:
-            for i, block in enumerate(self.layers):
-                x_btd, cache = block(x_btd, positions_bt, mask_btt, cache=cache, layer=i)
-        return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), cache
+            for block in self.layers:
+                x_btd = run(block, x_btd, positions_bt, mask_btt)
+        return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), None
+
+    def _blocks(self):
+        """The blocks one by one (a stacked layout is sliced per layer: the serving path hands
+        each layer's k/v to the cache by its index; `policy.serving_params` unstacks once
+        instead, which the engine's weights go through)."""
+        if not self.cfg.scan_layers:
+            yield from self.layers
+            return
+        graphdef, stacked = nnx.split(self.layers)
+        for i in range(self.cfg.n_layers):
+            yield nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
 
     def head_vd(self) -> Float[Array, "V D"]:
         """The vocab head as a V×D matrix in the param dtype (the tied embedding or lm_head^T)."""

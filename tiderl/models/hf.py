@@ -9,6 +9,7 @@ a trained policy can be served elsewhere. Never downloads anything.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,16 +206,24 @@ def _on_host() -> Iterator[None]:
         yield
 
 
+def _layer_path(ours: tuple[Any, ...], stacked: bool) -> tuple[tuple[Any, ...], int | None]:
+    """(path in our state, layer index into a stacked array or None) of a `_hf_to_ours` path."""
+    if stacked and ours[0] == "layers":
+        return ("layers", *ours[2:]), ours[1]
+    return ours, None
+
+
 def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None,
-                    ) -> Decoder:
+                    scan_layers: bool = False) -> Decoder:
     """Loads a local HF Qwen2/Qwen3/Llama directory into a `Decoder`.
 
     With `mesh`, every parameter is placed straight into its NamedSharding from host memory
-    (each device receives only its shard). Missing, unexpected and mis-shaped tensors are
-    collected and reported in one error.
+    (each device receives only its shard). `scan_layers` builds the stacked layout
+    (`model.scan_layers`): each kind of layer tensor is stacked on the host, then placed.
+    Missing, unexpected and mis-shaped tensors are collected and reported in one error.
     """
     path = Path(path)
-    cfg = load_hf_config(path, dtype=dtype)
+    cfg = dataclasses.replace(load_hf_config(path, dtype=dtype), scan_layers=scan_layers)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh) if mesh is not None else None
@@ -222,6 +231,12 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
     pd = np.dtype(DTYPES[cfg.param_dtype])
     missing, misshaped = [], []
     expected = set()
+    layers: dict[tuple[Any, ...], dict[int, np.ndarray]] = {}  # stacked: path → layer → value
+
+    def place(ours: tuple[Any, ...], value: np.ndarray) -> None:
+        sharding = _sharding_at(shardings, ours) if shardings is not None else None
+        _get(state, ours).set_value(jax.device_put(value, sharding))
+
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
         for hf_name, ours, to_ours, _ in _hf_to_ours(cfg):
@@ -232,7 +247,8 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
             f = where[hf_name]
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(str(f), framework="flax"))
-            var = _get(state, ours)
+            at, layer = _layer_path(ours, cfg.scan_layers)
+            want = tuple(_get(state, at).shape)[0 if layer is None else 1:]
             with _on_host():
                 raw = np.asarray(handles[f].get_tensor(hf_name))
             try:
@@ -240,13 +256,18 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
             except (TypeError, ValueError):
                 misshaped.append(f"{hf_name}: {tuple(raw.shape)}")
                 continue
-            if tuple(value.shape) != tuple(var.shape):
+            if tuple(value.shape) != want:
                 misshaped.append(f"{hf_name}: {tuple(raw.shape)} (expected a tensor mapping to "
-                                 f"{tuple(var.shape)})")
+                                 f"{want})")
                 continue
             value = np.ascontiguousarray(value.astype(pd))
-            sharding = _sharding_at(shardings, ours) if shardings is not None else None
-            var.set_value(jax.device_put(value, sharding))
+            if layer is None:
+                place(at, value)
+            else:
+                layers.setdefault(at, {})[layer] = value
+    for at, per_layer in layers.items():
+        if len(per_layer) == cfg.n_layers:  # else a tensor is missing: reported below
+            place(at, np.stack([per_layer[i] for i in range(cfg.n_layers)]))
     unexpected = sorted(
         n for n in where
         if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
@@ -339,15 +360,24 @@ def save_pretrained(model: nnx.Module, path: str | Path, *, architecture: str | 
 
     `architecture` defaults to Qwen3 with q/k norm, Qwen2 with qkv biases, Llama otherwise;
     `base_config` (a source config.json) supplies the keys we do not model (token ids, ...).
-    Tensors are gathered to host memory one at a time and written in the parameter dtype."""
+    Tensors are gathered to host memory one at a time (a stacked layout: one kind of layer
+    tensor at a time) and written in the parameter dtype."""
     cfg: ModelConfig = model.cfg
     hf = hf_config(cfg, architecture, base_config)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = nnx.state(model, nnx.Param)
     tensors = {}
-    for hf_name, ours, _, to_hf in _hf_to_ours(cfg):
-        value = np.asarray(jax.device_get(_get(state, ours)[...]))
+    host: dict[tuple[Any, ...], np.ndarray] = {}
+    entries = list(_hf_to_ours(cfg))
+    if cfg.scan_layers:  # one kind of tensor over all layers, then the next kind
+        entries.sort(key=lambda e: str(_layer_path(e[1], True)[0]))
+    for hf_name, ours, _, to_hf in entries:
+        at, layer = _layer_path(ours, cfg.scan_layers)
+        if at not in host:
+            host.clear()  # keep one stacked array on the host at a time
+            host[at] = np.asarray(jax.device_get(_get(state, at)[...]))
+        value = host[at] if layer is None else host[at][layer]
         tensors[hf_name] = np.ascontiguousarray(to_hf(value))
     save_numpy(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -85,3 +85,56 @@ def attend(
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
     return out.reshape(b, t, h, dh)
+
+
+def attend_query_chunked(
+    q_bthd: Float[Array, "B T H Dh"],
+    k_btkd: Float[Array, "B T K Dh"],
+    v_btkd: Float[Array, "B T K Dh"],
+    segment_ids_bt: Int[Array, "B T"],
+    chunk: int,
+) -> Float[Array, "B T H Dh"]:
+    """Packed causal self-attention `chunk` queries at a time (training path).
+
+    The values of `attend(q, k, v, packed_causal_mask(segment_ids))`, row for row the same
+    reductions, but each chunk's [B, K, G, chunk, T] scores are rematerialised in the backward
+    (`jax.checkpoint` per chunk under a `lax.map`): no T×T score, probability or mask array per
+    head is ever live, only one chunk's. The mask is built per chunk from the segment ids.
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk={chunk}: the attention chunk (trainer.token_chunk) must be "
+                         "positive")
+    b, t, h, dh = q_bthd.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    pad = n * c - t
+    # Padded queries (segment 0, positions past T) see no key; their rows are dropped below.
+    q_nbchd = jnp.pad(q_bthd, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        b, n, c, h, dh).swapaxes(0, 1)
+    seg_nbc = jnp.pad(segment_ids_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+    pos_nc = jnp.arange(n * c, dtype=jnp.int32).reshape(n, c)
+    key_pos_t = jnp.arange(t, dtype=jnp.int32)
+    real_b1t = (segment_ids_bt != 0)[:, None, :]
+
+    @jax.checkpoint
+    def one(xs):
+        q_bchd, seg_bc, pos_c = xs
+        causal_ct = pos_c[:, None] >= key_pos_t[None, :]
+        same_bct = seg_bc[:, :, None] == segment_ids_bt[:, None, :]
+        eye_ct = pos_c[:, None] == key_pos_t[None, :]
+        mask_bct = (causal_ct[None] & same_bct & real_b1t) | eye_ct[None]
+        return attend(q_bchd, k_btkd, v_btkd, mask_bct)
+
+    out_nbchd = jax.lax.map(one, (q_nbchd, seg_nbc, pos_nc))
+    return out_nbchd.swapaxes(0, 1).reshape(b, n * c, h, dh)[:, :t]
+
+
+def map_time_chunks(fn, x_btd: Float[Array, "B T D"], chunk: int) -> Array:
+    """`fn(x)` for a position-wise `fn` [B, c, D] -> [B, c, E], `chunk` positions at a time,
+    each chunk rematerialised in the backward (only its input is kept)."""
+    b, t, d = x_btd.shape
+    c = min(chunk, t)
+    n = -(-t // c)
+    x_nbcd = jnp.pad(x_btd, ((0, 0), (0, n * c - t), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+    out_nbce = jax.lax.map(jax.checkpoint(fn), x_nbcd)
+    return out_nbce.swapaxes(0, 1).reshape(b, n * c, -1)[:, :t]

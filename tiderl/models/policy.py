@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -91,6 +93,50 @@ def init_policy(cfg: ModelConfig, *, seed: int = 0,
         return graphdef, jax.jit(create)()
     shardings = state_shardings(abstract_state, mesh)
     return graphdef, jax.jit(create, out_shardings=shardings)()
+
+
+def convert_layout(params: nnx.State, cfg: ModelConfig, *, scan_layers: bool) -> nnx.State:
+    """The built-in decoder's params (of `cfg`'s layout) in the per-layer (`scan_layers=False`)
+    or stacked layout, with the target layout's variable metadata (logical axis names).
+
+    Pure tree operations: runs eagerly or under jit. Identity when the layouts already agree.
+    """
+    if cfg.policy != "decoder" or cfg.scan_layers == scan_layers:
+        return params
+    target = dataclasses.replace(cfg, scan_layers=scan_layers)
+    src = dict(nnx.to_flat_state(params))
+    out = []
+    for path, var in nnx.to_flat_state(abstract_policy(target)[1]):
+        if path[0] != "layers":
+            value = src[path][...]
+        elif scan_layers:  # ('layers', *rest) ← ('layers', i, *rest) for every i
+            value = jnp.stack([src[("layers", i, *path[1:])][...]
+                               for i in range(cfg.n_layers)])
+        else:  # ('layers', i, *rest) ← ('layers', *rest)[i]
+            value = src[("layers", *path[2:])][...][path[1]]
+        out.append((path, var.replace(value)))
+    return nnx.from_flat_state(out)
+
+
+def serving_config(cfg: ModelConfig) -> ModelConfig:
+    """The config of the policy the engines run: the built-in decoder per layer (the serving
+    path indexes layers one by one to hand their k/v to the cache)."""
+    return dataclasses.replace(cfg, scan_layers=False) if cfg.policy == "decoder" else cfg
+
+
+def serving_params(params: nnx.State, cfg: ModelConfig) -> nnx.State:
+    """Fresh serving weights from training params: per-layer layout, and under bf16 compute the
+    built-in decoder's matrices and biases (ndim ≥ 2) in the compute dtype, as the decoder
+    casts them anyway (identical logits, half the bytes to sync and to read per decode step).
+    1-D parameters (RMSNorm scales, applied in fp32) keep their dtype. Custom policies: a copy.
+    Jit it (the trainer does): the output never aliases the input."""
+    from tiderl.models.decoder import DTYPES
+
+    if cfg.policy != "decoder":
+        return jax.tree.map(jnp.copy, params)
+    cd = DTYPES[cfg.compute_dtype]
+    per_layer = convert_layout(params, cfg, scan_layers=False)
+    return jax.tree.map(lambda x: x.astype(cd) if x.ndim >= 2 else jnp.copy(x), per_layer)
 
 
 class _ProbeCache:

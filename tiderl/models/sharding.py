@@ -31,6 +31,7 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "model"),
     ("head_dim", None),
     ("norm", None),
+    ("layers", None),  # the stacked layer axis (model.scan_layers): every device holds all
 )
 
 

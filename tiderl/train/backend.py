@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import queue
 import threading
 import time
@@ -54,7 +55,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tiderl.models.config import ModelConfig
-from tiderl.models.policy import init_policy
+from tiderl.models.policy import abstract_policy, init_policy, serving_config, serving_params
 from tiderl.models.sharding import state_shardings
 from tiderl.train import ra2p
 from tiderl.train.config import TrainerConfig
@@ -104,6 +105,11 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.copy(), tree)
 
 
+@functools.lru_cache(maxsize=8)
+def _serving_fn(model_cfg: ModelConfig) -> Any:
+    return jax.jit(functools.partial(serving_params, cfg=model_cfg))
+
+
 def _memory(tree: Any, kind: str) -> Any:
     return jax.tree.map(lambda s: s.with_memory_kind(kind), tree)
 
@@ -134,10 +140,16 @@ class TrainerBackend:
         if policy is None:
             policy = init_policy(model_cfg, seed=seed, mesh=actor_mesh)
         self.graphdef, params = policy
+        # The graphdef of export_weights()' params: what the engines are built with.
+        self.serving_graphdef = (abstract_policy(serving_config(model_cfg))[0]
+                                 if model_cfg.scan_layers else self.graphdef)
         self._abstract = jax.eval_shape(lambda: params)
+        self.serving_abstract = (jax.eval_shape(_serving_fn(model_cfg), params)
+                                 if model_cfg.scan_layers else self._abstract)
         self._bind(ref_mesh)
-        self.ref_params = jax.device_put(_copy(params if ref_params is None else ref_params),
-                                         self.ref_param_sh)
+        # No KL term, no Ref forward: no Ref copy of the weights either (+1× params otherwise).
+        self.ref_params = (jax.device_put(_copy(params if ref_params is None else ref_params),
+                                          self.ref_param_sh) if self.uses_ref else None)
         self.state = init_train_state(jax.device_put(_copy(params), self.sh.params), self.tx,
                                       self.sh)
         self.version = 0
@@ -159,7 +171,7 @@ class TrainerBackend:
         self.mode: Literal["decoupled", "colocated"] = (
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
-               self.ref_mesh, self.cfg.head_chunk, self.cfg.remat)
+               self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
@@ -170,7 +182,7 @@ class TrainerBackend:
             return (tx, sh, ref_sh, make_kernels(
                 self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
                 ref_param_shardings=ref_sh, head_chunk=self.cfg.head_chunk,
-                remat=self.cfg.remat))
+                remat=self.cfg.remat, token_chunk=self.cfg.token_chunk))
 
         cached = key in _KERNELS
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
@@ -213,7 +225,8 @@ class TrainerBackend:
             self.actor_mesh = actor_mesh
             cached = self._bind(ref_mesh)
             state = jax.device_put(self.state, self.sh.state)
-            ref_params = jax.device_put(self.ref_params, self.ref_param_sh)
+            ref_params = (None if self.ref_params is None  # kl_coef=0: no Ref copy
+                          else jax.device_put(self.ref_params, self.ref_param_sh))
             jax.block_until_ready((state, ref_params))
         except BaseException:
             # All or nothing: the state never left its old meshes, so keep their kernels.
@@ -273,14 +286,18 @@ class TrainerBackend:
         if self._grads is None:
             raise RuntimeError("apply() with no accumulated micro-batch; submit work first")
         denom = normalizer(self._n_tokens, self._n_seqs, self.spec.loss_agg)
-        self.state, m = self.k.apply(self.state, self._grads, jnp.float32(denom))
+        grads, gnorm = self.k.scale_grads(self._grads, jnp.float32(denom))  # the sum is donated
         self._grads = None
+        # A non-finite gradient skips the update (params and moments unchanged); the step
+        # still counts, so checkpoint numbering follows the controller's steps.
+        skipped = not bool(jnp.isfinite(gnorm))
+        self.state = self.k.skip(self.state) if skipped else self.k.apply(self.state, grads)
         self.version += 1
-        return {"grad_norm": m["grad_norm"], "skipped": m["skipped"], "denom": denom}
+        return {"grad_norm": gnorm, "skipped": skipped, "denom": denom}
 
     def swap(self, role: Role, where: Where) -> float:
         """Moves a model's state between device memory and pinned host memory; seconds taken."""
-        if self.where[role] == where:
+        if self.where[role] == where or role == "ref" and self.ref_params is None:
             return 0.0
         t0 = time.perf_counter()
         kind = "pinned_host" if where == "host" else "device"
@@ -304,9 +321,11 @@ class TrainerBackend:
         return np.asarray(self.k.logprobs(self.state["params"], self.put(mb, "actor")))
 
     def export_weights(self, shardings: Any = None) -> nnx.State:
-        """A copy of the Actor params (optionally resharded for the rollout mesh)."""
+        """The rollout engines' weights (`serving_graphdef`'s layout; optionally resharded for
+        the rollout mesh): fresh buffers of the Actor params, per layer and, under bf16
+        compute, with the decoder's matrices in bf16 (`models.policy.serving_params`)."""
         self._ensure("actor")
-        params = _copy(self.state["params"])
+        params = _serving_fn(self.model_cfg)(self.state["params"])
         return params if shardings is None else jax.device_put(params, shardings)
 
     # ------------------------------------------------------------------ step-level executor

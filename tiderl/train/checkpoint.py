@@ -64,6 +64,8 @@ class Checkpointer:
         # Offloaded models come back to device memory first (the shardings saved are those).
         backend.swap("actor", "device")
         backend.swap("ref", "device")
+        if backend.ref_params is None:  # no KL term: the backend keeps no Ref copy
+            return {"train": backend.state}
         return {"train": backend.state, "ref": backend.ref_params}
 
     def save(self, backend, *, data_state: Any = None, wait: bool = False) -> int:
@@ -125,17 +127,26 @@ class Checkpointer:
                             for k in diff)
                 + "; resume with the checkpoint's model config or use a new run_dir")
         tree = self._tree(backend)
-        if meta["structure"] != _structure(tree):
+        saved = meta["structure"]
+        if "ref" not in tree:  # a Ref saved by a run with a KL term is not needed here
+            saved = [s for s in saved if not s.startswith("['ref']")]
+        if saved != _structure(tree):
             raise ConfigError(
                 f"checkpoint {self.directory}/{step} holds a different train state (optimizer "
                 "or parameter layout changed, e.g. trainer.grad_clip/weight_decay/lr_schedule); "
                 "resume with the config it was written with or use a new run_dir")
         try:
+            target = _abstract(tree)
+            if len(saved) != len(meta["structure"]):
+                # A Ref this backend does not keep (written with a KL term): read, then dropped.
+                target["ref"] = _abstract(backend.state["params"])
             out = self.mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(tree))))["state"]
+                state=ocp.args.StandardRestore(target)))["state"]
         except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
             raise _unreadable(where, e, fix) from e
-        backend.state, backend.ref_params = out["train"], out["ref"]
+        backend.state = out["train"]
+        if "ref" in tree:
+            backend.ref_params = out["ref"]
         backend.version = int(meta["version"])
         log.info("resumed from %s/%d (version %d)", self.directory, step, backend.version)
         return step, meta["data_state"]

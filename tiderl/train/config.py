@@ -69,7 +69,14 @@ class TrainerConfig:
     without `hidden_states`/`head_vd` (custom ones) always take the whole-batch path."""
     remat: bool = False
     """Recompute each decoder block in the backward (`nnx.remat`): only block inputs are kept
-    between the Actor forward and backward. Needs a policy with `hidden_states` (built-in)."""
+    between the Actor forward and backward. Needs a policy with `hidden_states` (built-in).
+    With model.scan_layers the backward recomputes one block at a time."""
+    token_chunk: int = 0
+    """Positions per chunk of each decoder block in training (built-in decoder): attention
+    takes that many queries at a time (`layers.attend_query_chunked`) and the MLP that many
+    positions of every row, each chunk recomputed in the backward, so no T×T scores per head
+    and no T×mlp_dim intermediates are live beyond one chunk. 0 runs whole rows. E.g.
+    128–256 for 1k–4k token rows. Exact: the same per-token arithmetic."""
 
     # --- micro-batches (train/dispatch.py) ---
     row_len: int = 1024
@@ -116,9 +123,10 @@ class TrainerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0, got "
                                   f"{getattr(self, name)}")
-        if self.head_chunk < 0:
-            raise ConfigError(f"config key 'trainer.head_chunk' must be >= 0 (0: unchunked), "
-                              f"got {self.head_chunk}")
+        for name in ("head_chunk", "token_chunk"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config key 'trainer.{name}' must be >= 0 (0: unchunked), "
+                                  f"got {getattr(self, name)}")
         for name in ("decay_steps", "row_len", "rows_per_rank", "max_aggregate"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be positive, got "

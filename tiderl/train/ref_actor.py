@@ -12,8 +12,10 @@ optimizer, shardings) and returning module-level-style jitted pure functions of 
   cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum (None for
   the step's first micro-batch: no zero-filled sum).
   `actor_backward(vjp, cotangent) -> grads` is the bare contract form.
-- `apply(state, grads_sum, denom) -> (state, metrics)`: divides once by the step normaliser,
-  clips by global norm, AdamW with a schedule; the train state is donated.
+- `scale_grads(grads_sum, denom) -> (grads, grad_norm)`: divides once by the step normaliser,
+  in place; `apply(state, grads) -> state`: clips by global norm, AdamW with a schedule, every
+  leaf updated in place (the train state is donated); `skip(state) -> state` counts a step
+  whose gradient is not finite (the host decides from grad_norm).
 
 The train state is `{"params", "opt", "step"}`; its shardings (optimizer moments included) are
 computed once from the abstract state and pinned as in/out shardings.
@@ -48,9 +50,28 @@ def dp_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` (same state, same rule) scaling by one precomputed factor.
+
+    optax divides every element by the norm; XLA treats a divide as too costly to recompute in
+    each consumer, so the clipped gradient was materialised: one more gradient-sized buffer in
+    the update. A multiply is recomputed inside the moment updates instead. (The factor is
+    rounded once, so results may differ from optax's in the last bit when clipping.)"""
+
+    def update_fn(updates, state, params=None):
+        del params
+        g_norm = optax.tree.norm(updates)
+        scale = jnp.float32(max_norm) / g_norm
+        clip = g_norm >= max_norm
+        return jax.tree.map(lambda t: jnp.where(clip, t * scale.astype(t.dtype), t),
+                            updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW under a warmup + constant/cosine schedule."""
-    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+    parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
     parts.append(optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
                              eps=cfg.adam_eps, weight_decay=cfg.weight_decay))
     return optax.chain(*parts)
@@ -86,10 +107,11 @@ def _check_temperature(temperature: float) -> None:
                          "rollouts (rollout.temperature=0) cannot be trained with GRPO")
 
 
-def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool):
+def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool,
+             token_chunk: int = 0):
     """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
-    head when `head_chunk` > 0 or `remat` asks for it and the policy has them (the built-in
-    Decoder), else through its logits (custom policies)."""
+    head when `head_chunk` > 0, `remat` or `token_chunk` > 0 asks for it and the policy
+    has them (the built-in Decoder), else through its logits (custom policies)."""
 
     def forward(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
@@ -98,9 +120,10 @@ def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat:
         if remat and not has_hidden:
             raise ValueError(f"trainer.remat=true but policy {type(model).__name__} has no "
                              "hidden_states(..., remat=) method; set trainer.remat=false")
-        if has_hidden and (head_chunk > 0 or remat):
+        if has_hidden and (head_chunk > 0 or remat or token_chunk > 0):
+            kw = {"token_chunk": token_chunk} if token_chunk > 0 else {}
             h_btd, _ = model.hidden_states(tokens, batch["positions_bt"],
-                                           batch["segment_ids_bt"], remat=remat)
+                                           batch["segment_ids_bt"], remat=remat, **kw)
             if head_chunk > 0:
                 return chunked_token_outputs(h_btd, model.head_vd(), tokens, temperature,
                                              head_chunk)
@@ -111,32 +134,36 @@ def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat:
     return forward
 
 
-def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int = 0):
+def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int = 0,
+                  token_chunk: int = 0):
     """params, batch -> per-token logprobs at the engine's temperature (fp32).
 
-    `head_chunk` > 0 applies the vocab head that many tokens at a time (train/head.py)."""
+    `head_chunk` > 0 applies the vocab head that many tokens at a time (train/head.py);
+    `token_chunk` > 0 attends that many queries at a time (built-in decoder)."""
     _check_temperature(temperature)
-    if head_chunk <= 0:
+    if head_chunk <= 0 and token_chunk <= 0:
         def logprobs(params: nnx.State, batch: dict) -> jax.Array:
             model = nnx.merge(graphdef, params)
             logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
             return token_logprobs(logits, batch["tokens_bt"], temperature)
 
         return logprobs
-    forward = _forward(graphdef, temperature, head_chunk, False)
+    forward = _forward(graphdef, temperature, head_chunk, False, token_chunk)
     return lambda params, batch: forward(params, batch)[0]
 
 
 def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True, *,
-                 head_chunk: int = 0, remat: bool = False):
+                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0):
     """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates.
 
     Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
     `stop_gradient` they add no B×T×V residual to the saved vjp. `head_chunk` > 0 applies the
     head in token chunks with a recomputing backward (no B×T×V residual at all); `remat`
-    recomputes each decoder block in the backward (policies with `hidden_states` only)."""
+    recomputes each decoder block in the backward (policies with `hidden_states` only);
+    `token_chunk` > 0 attends that many queries at a time, each chunk's scores recomputed
+    in the backward (built-in decoder)."""
     _check_temperature(temperature)
-    forward = _forward(graphdef, temperature, head_chunk, remat)
+    forward = _forward(graphdef, temperature, head_chunk, remat, token_chunk)
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         logp, ent = forward(params, batch)
@@ -229,7 +256,9 @@ class Kernels:
     actor_forward: Any
     backward: Any
     actor_backward: Any
+    scale_grads: Any
     apply: Any
+    skip: Any
     zeros_like_grads: Any
     fused_grads: Any
     fused_accumulate: Any
@@ -239,13 +268,14 @@ class Kernels:
 def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
                  temperature: float, sh: TrainShardings,
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
-                 head_chunk: int = 0, remat: bool = False) -> Kernels:
+                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0) -> Kernels:
     """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate).
 
-    `head_chunk`/`remat`: trainer.head_chunk / trainer.remat (see `make_outputs`)."""
-    logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk)
+    `head_chunk`/`remat`/`token_chunk`: the trainer keys of those names (`make_outputs`)."""
+    logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk,
+                             token_chunk=token_chunk)
     outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
-                           head_chunk=head_chunk, remat=remat)
+                           head_chunk=head_chunk, remat=remat, token_chunk=token_chunk)
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
@@ -295,26 +325,28 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
 
     actor_backward = jax.jit(bare_bwd, out_shardings=sh.params)
 
-    def apply_fn(state, grads_sum, denom):
-        count("apply")
+    def scale(grads_sum, denom):
         grads = jax.tree.map(lambda g: g / denom, grads_sum)
-        gnorm = optax.tree.norm(grads)
+        return grads, optax.tree.norm(grads)
 
-        def update(s):
-            updates, opt = tx.update(grads, s["opt"], s["params"])
-            return {"params": optax.apply_updates(s["params"], updates), "opt": opt}
+    # In place (the sum is donated and aliased): no second gradient-sized buffer.
+    scale_grads = jax.jit(scale, in_shardings=(sh.params, None), out_shardings=(sh.params, None),
+                          donate_argnums=(0,))
 
-        # A non-finite gradient skips the update (params and moments unchanged); the step still
-        # counts, so checkpoint numbering follows the controller's steps. A cond, not a
-        # where(ok, new, old): that kept old and new moments alive together (one more copy of
-        # the largest parameter in the compiled update's temporaries).
-        kept = {"params": state["params"], "opt": state["opt"]}
-        ok = jnp.isfinite(gnorm)
-        new = jax.lax.cond(ok, update, lambda s: s, kept)
-        return {**new, "step": state["step"] + 1}, {"grad_norm": gnorm, "skipped": ~ok}
+    def apply_fn(state, grads):
+        count("apply")
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+                "step": state["step"] + 1}
 
-    apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params, None),
-                    out_shardings=(sh.state, None), donate_argnums=(0,))
+    # Every leaf's params and moments are updated in place (the state is donated; the clip
+    # multiplies, so nothing gradient-sized is materialised: XLA's own count is 0 bytes of
+    # temporaries). A non-finite gradient is the host's decision (`skip` instead): a
+    # lax.cond here kept a copy of the largest parameter's state in the temporaries.
+    apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params), out_shardings=sh.state,
+                    donate_argnums=(0,))
+    skip = jax.jit(lambda state: {**state, "step": state["step"] + 1}, in_shardings=(sh.state,),
+                   out_shardings=sh.state, donate_argnums=(0,))
 
     zeros_like_grads = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
                                in_shardings=(sh.params,), out_shardings=sh.params)
@@ -341,5 +373,5 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
         return jax.tree.map(jnp.add, acc, g), metrics
 
     fused_accumulate = jax.jit(fused_acc, donate_argnums=(4,), out_shardings=(sh.params, None))
-    return Kernels(ref_forward, policy_lp, actor_forward, backward, actor_backward, apply,
-                   zeros_like_grads, fused_grads, fused_accumulate, traces)
+    return Kernels(ref_forward, policy_lp, actor_forward, backward, actor_backward, scale_grads,
+                   apply, skip, zeros_like_grads, fused_grads, fused_accumulate, traces)
