@@ -26,6 +26,7 @@ from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.pages import StopReason
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
+from tiderl.sim.engine import DigitActions
 from tiderl.sim.fakes import SimEngine
 
 openai = pytest.importorskip("openai")
@@ -40,23 +41,31 @@ class ScriptedEngine(SimEngine):
     `script[k]` (token ids ending with the stop id), with made-up logprobs."""
 
     def __init__(self, script: list[list[int]], delay_s: float = 0.0, **kw):
-        super().__init__(max_action_tokens=256, max_context=4096, **kw)
+        # Actions as long as the engine allows: the script's stop token ends each one.
+        super().__init__(max_action_tokens=256, max_context=4096,
+                         actions=DigitActions(0, length=256), **kw)
         self.script, self.turn_of, self.delay_s = script, {}, delay_s
 
-    def _sample(self, p):
-        time.sleep(self.delay_s)  # on the rank's worker thread, like device work
-        if not p.action_tokens:
-            self.turn_of[p.task_id] = self.turn_of.get(p.task_id, -1) + 1
-        ids = self.script[min(self.turn_of[p.task_id], len(self.script) - 1)]
-        i = len(p.action_tokens)
-        tok = ids[i] if i < len(ids) else ids[-1]
-        p.tokens.append(tok)
-        p.logprobs.append(-0.5 - 0.01 * i)
-        p.versions.append(self.version)
-        if tok in self.stop_tokens:
-            p.stop_reason = StopReason.STOP_TOKEN
-        elif len(p.action_tokens) >= p.max_action_tokens:
-            p.stop_reason = StopReason.MAX_ACTION_TOKENS
+    def _sample(self, p, n: int = 1):
+        # Device time the rank charges on its loop (a simulated engine's cost), per token.
+        self._charge(self.delay_s * n)
+        for _ in range(n):
+            # Action k of a task starts at its k-th distinct action start (a re-prefill after
+            # a pause or an eviction continues the same action).
+            starts = self.turn_of.setdefault(p.task_id, {})
+            turn = starts.setdefault(p.action_start, len(starts))
+            ids = self.script[min(turn, len(self.script) - 1)]
+            i = len(p.action_tokens)
+            tok = ids[i] if i < len(ids) else ids[-1]
+            p.tokens.append(tok)
+            p.logprobs.append(-0.5 - 0.01 * i)
+            p.versions.append(self.version)
+            if tok in self.stop_tokens:
+                p.stop_reason = StopReason.STOP_TOKEN
+            elif len(p.action_tokens) >= p.max_action_tokens:
+                p.stop_reason = StopReason.MAX_ACTION_TOKENS
+            if p.stop_reason != StopReason.NONE:
+                break
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +82,17 @@ async def harness(tok, agent, script_texts, delay_s=0.0, ranks=1, capacity=1 << 
     stop = template.stop[0]
     script = [ours.encode(t) + [stop] for t in script_texts]
     cfg = EnvConfig(agent=f"test_agents_endpoint:{agent}", max_turns=4, **env)
-    rank_objs = [RolloutRank(i, ScriptedEngine(script, delay_s,
-                                               stop_tokens=tuple(template.stop_ids)))
-                 for i in range(ranks)]
+    engines = [ScriptedEngine(script, delay_s, stop_tokens=tuple(template.stop_ids))
+               for _ in range(ranks)]
+    for e in engines[1:]:  # a task that moves to another rank keeps its place in the script
+        e.turn_of = engines[0].turn_of
+    rank_objs = [RolloutRank(i, engines[i]) for i in range(ranks)]
     for r in rank_objs:
         await r.start()
     sched = make_scheduler("ctb", CTBConfig(), [capacity] * ranks, max_context=4096,
                            max_tasks_per_rank=64)
     try:
-        async with episode_backend(cfg, template, max_action_tokens=64,
+        async with episode_backend(cfg, template, max_action_tokens=128,
                                    temperature=1.0) as (_, runner):
             yield RolloutManager(rank_objs, sched, None, template, max_turns=4,
                                  runner=runner), runner
