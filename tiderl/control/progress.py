@@ -35,13 +35,12 @@ def quantiles(values: Sequence[float], qs: Sequence[float] = (0.5, 0.95)) -> lis
 
 
 def task_states(manager: Any, stats: Mapping[str, Any]) -> dict[str, int]:
-    """Tasks executing vs waiting (env, paused, queued): the manager's own keys if it has them."""
-    if "tasks_executing" in stats:
-        return {k.removeprefix("tasks_"): int(v) for k, v in stats.items()
-                if k in ("tasks_executing", "tasks_waiting") and isinstance(v, (int, float))}
+    """Tasks executing vs waiting (env, paused, queued) now, from the scheduler's table; a
+    manager without one: its own `tasks_*` keys (means over its window)."""
     tasks = getattr(getattr(manager, "sched", None), "tasks", None)
     if not isinstance(tasks, Mapping):
-        return {}
+        return {k.removeprefix("tasks_"): int(v) for k, v in stats.items()
+                if k in ("tasks_executing", "tasks_waiting") and isinstance(v, (int, float))}
     out = {"executing": 0, "env": 0, "paused": 0, "queued": 0}
     for t in tasks.values():
         if t.state == "active":
