@@ -147,7 +147,8 @@ def test_two_processes_train_exactly_what_one_process_trains(runs):
     one, two = records(jobs["one"]), records(jobs["two"])
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     assert [r["version"] for r in two] == [r["version"] for r in one]
-    assert [r["group_ids"] for r in two] == [r["group_ids"] for r in one]
+    # The same groups each step (listed in the order they finished, which timing decides).
+    assert [sorted(r["group_ids"]) for r in two] == [sorted(r["group_ids"]) for r in one]
     diff = max_rel_diff(params(jobs["one"], STEPS), params(jobs["two"], STEPS))
     print(f"max relative parameter difference after {STEPS} steps: {diff:.3g}")
     assert diff <= 1e-5
@@ -183,5 +184,6 @@ def test_a_dead_process_stops_the_other_with_one_line_and_resume_continues_exact
     got, want = meta(run, STEPS), meta(runs["one"], STEPS)
     assert (got["step"], got["version"], got["data_state"]) == \
         (want["step"], want["version"], want["data_state"])
-    assert [r["group_ids"] for r in records(run)] == [r["group_ids"] for r in records(runs["one"])]
+    assert [sorted(r["group_ids"]) for r in records(run)] == \
+        [sorted(r["group_ids"]) for r in records(runs["one"])]
     assert max_rel_diff(params(runs["one"], STEPS), params(run, STEPS)) <= 1e-5

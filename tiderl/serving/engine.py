@@ -610,18 +610,7 @@ class Engine(SiblingSharing):
             h.decoding = False
 
     def _count_compute(self, h: Prefix, start: int, end: int) -> None:
-        c = self.counters
-        h.prefill_computed, h.prefill_cached = end - start, start
-        c.prompt_tokens_queried += end
-        c.prompt_tokens_served += start
-        redo = max(0, min(end, h.computed_max) - start)
-        if h.drop_reason == "evicted":
-            c.recomputed_evicted += redo
-        elif h.drop_reason == "version":
-            c.recomputed_version += redo
-        else:
-            c.computed_new += redo
-        c.computed_new += end - start - redo
+        self.counters.count_prefill(h, start, end)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -316,3 +316,19 @@ class EngineCounters:
     @property
     def kv_hit_rate(self) -> float:
         return self.prompt_tokens_served / max(1, self.prompt_tokens_queried)
+
+    def count_prefill(self, h: Any, start: int, end: int) -> None:
+        """A prefill of `h`'s context `[start, end)` on top of `start` resident tokens: the
+        queried/served prompt tokens, and what was computed split into new tokens and tokens
+        computed before whose KV was dropped (evicted, or stale after a weight version)."""
+        h.prefill_computed, h.prefill_cached = end - start, start
+        self.prompt_tokens_queried += end
+        self.prompt_tokens_served += start
+        redo = max(0, min(end, h.computed_max) - start)
+        if h.drop_reason == "evicted":
+            self.recomputed_evicted += redo
+        elif h.drop_reason == "version":
+            self.recomputed_version += redo
+        else:
+            self.computed_new += redo
+        self.computed_new += end - start - redo

@@ -208,17 +208,7 @@ class SimEngine:
             if new:
                 h.action_start, h.logprobs, h.versions = end, [], []
                 h.stop_reason = StopReason.NONE
-            h.prefill_computed, h.prefill_cached = end - start, start
-            c.prompt_tokens_queried += end
-            c.prompt_tokens_served += start
-            redo = max(0, min(end, h.computed_max) - start)
-            if h.drop_reason == "evicted":
-                c.recomputed_evicted += redo
-            elif h.drop_reason == "version":
-                c.recomputed_version += redo
-            else:
-                c.computed_new += redo
-            c.computed_new += end - start - redo
+            c.count_prefill(h, start, end)
             h.kv_length, h.version, h.drop_reason = end, self.version, "new"
             h.computed_max = max(h.computed_max, end)
             c.prefill_calls += 1
