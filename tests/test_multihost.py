@@ -186,7 +186,8 @@ def test_a_dead_process_stops_the_other_with_one_line_and_resume_continues_exact
         (want["step"], want["version"], want["data_state"])
     assert [sorted(r["group_ids"]) for r in records(run)] == \
         [sorted(r["group_ids"]) for r in records(runs["one"])]
-    # Parameters: equal up to float reassociation. A step packs its groups in the order they
-    # finished, which timing decides after a resume, and Adam's normalisation magnifies the
-    # summation-order noise on near-zero updates (measured up to 1.1e-4 relative).
-    assert max_rel_diff(params(runs["one"], STEPS), params(run, STEPS)) <= 1e-3
+    # Parameters: a step packs its groups in stream order, not the finishing order that timing
+    # decides after a resume, so the summation order is the same too.
+    diff = max_rel_diff(params(runs["one"], STEPS), params(run, STEPS))
+    print(f"max relative parameter difference, resumed vs uninterrupted: {diff:.3g}")
+    assert diff <= 1e-5

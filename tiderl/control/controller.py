@@ -369,6 +369,10 @@ class Controller(ReadinessAware):
                         self._producer is None or self._producer.done()):
                     break
                 continue
+            if not streaming:
+                # One batch for the whole step: pack it in stream order, not finishing order,
+                # so the same groups give the same update whatever the timing (summation order).
+                groups.sort(key=lambda g: self.index_of.get(g.group_id, 1 << 62))
             taken += groups
             self._taken = taken
             seqs = [s for g in groups for s in g.seqs]
