@@ -81,7 +81,7 @@ class Sim:
 
     def _previous_step(self) -> None:
         """Plays one group per type to its end: growth and final contexts are known."""
-        for name, prompt, grow, turns in TYPES:
+        for name, prompt, _grow, _turns in TYPES:
             self.s.submit([Task(task_id=f"warm-{name}-{i}", group_id=f"warm-{name}",
                                 prompt_tokens=prompt, task_type=name) for i in range(2)])
         self.s.schedule()

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tiderl.envs.client import EnvClient
 from tiderl.envs.config import EnvConfig
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.server import endpoint
-from tiderl.envs.client import EnvClient
 from tiderl.envs.tasks import TaskSource
 from tiderl.envs.templates import template_for
 from tiderl.models.config import ModelConfig
@@ -104,7 +103,7 @@ async def test_every_task_ends_and_trajectories_are_what_the_engine_produced():
         mask = np.asarray(t.loss_mask[1:], bool)
         got = np.asarray(t.logprobs[1:])[mask]
         assert np.max(np.abs(got - ref[mask])) < 1e-4
-        assert all(v == 0 for v, m in zip(t.versions, t.loss_mask) if m)
+        assert all(v == 0 for v, m in zip(t.versions, t.loss_mask, strict=True) if m)
     stats = mgr.stats()
     assert stats["prompt_tokens"] > 0 and stats["cached_tokens"] > 0
     assert stats["decisions"]["admit"] == 12

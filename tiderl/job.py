@@ -167,7 +167,8 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     run_dir = Path(cfg.run_dir)
     if not resume:
         set_aside_previous_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Blocking file work is fine here: nothing else runs on the loop before the job starts.
+    run_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240
     if not resume:
         (run_dir / "config.yaml").write_text(site.config_yaml(cfg))
     await site.ready()

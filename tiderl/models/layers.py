@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, Int
 NEG_INF = -1e30  # finite: an all-masked row must stay NaN-free under softmax
 
 
-def rms_norm(x_btd: Float[Array, "B T D"], scale_d: Float[Array, "D"], eps: float) -> Array:
+def rms_norm(x_btd: Float[Array, "B T D"], scale_d: Float[Array, " D"], eps: float) -> Array:
     """RMSNorm in fp32, cast back to the input dtype (as the HF reference does)."""
     x32 = x_btd.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

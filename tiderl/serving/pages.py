@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-
 from typing import Any
 
 import numpy as np
