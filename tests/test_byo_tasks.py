@@ -84,7 +84,7 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
 
     a, c = steps(killed), steps(whole)
     assert [r["step"] for r in a] == [1, 2, 3] == [r["step"] for r in c]
-    # The same groups each step (listed in the order they finished, which timing decides).
+    # The same groups each step.
     assert [sorted(r["group_ids"]) for r in a] == [sorted(r["group_ids"]) for r in c]
     ids = [g for r in c for g in r["group_ids"]]
     epoch0 = [g for g in ids if g.startswith("train/e0/")]
