@@ -412,6 +412,7 @@ class ERSPlanner:
         self._settle, self._con, self._gen = "move", 0, 0
         which = (f"cell {moves[0].cell}" if len(moves) == 1 else
                  "cells " + ", ".join(str(m.cell) for m in moves))
+        reason = reason.replace("{n}", f"{len(moves)} cell{'s' if len(moves) > 1 else ''}")
         return ScalingPlan(after, tuple(moves), reason=f"{reason}: {which} {src} → {dst}",
                            rule=rule, ref_mode=_ref_mode(after))
 
@@ -516,8 +517,7 @@ class ERSPlanner:
             if s.consumption_deficit:
                 n, note = self._size(s, cells, "rollout", "trainer")
                 p = self._move(cells, "rollout", "trainer", s, rule="consumption", n=n,
-                               reason=f"consumption deficit{why}{note}: trainer +{n} "
-                                      f"cell{'s' if n > 1 else ''}")
+                               reason=f"consumption deficit{why}{note}: trainer +{{n}}")
                 if p is not None:
                     return p
         if self._gen >= c.patience:
@@ -528,8 +528,7 @@ class ERSPlanner:
                 return p
             n, note = self._size(s, cells, "trainer", "rollout")
             p = self._move(cells, "trainer", "rollout", s, rule="generation", n=n,
-                           reason=f"generation deficit{why}{note}: rollout +{n} "
-                                  f"cell{'s' if n > 1 else ''}")
+                           reason=f"generation deficit{why}{note}: rollout +{{n}}")
             if p is not None:
                 return p
         return keep
