@@ -78,6 +78,13 @@ def test_cold_start_allocates_rollout_preemptively_within_bounds():
     p = ERSPlanner(ERSConfig(cold_start_cells=1)).plan(Signals(cold_start=True), START)
     assert p.rule == "cold_start" and len(p.moves) == 2  # the Ref and one trainer cell
     assert p.cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}
+    # An evaluation during the first step borrows one trainer cell more (rule 3).
+    wide = CellMap(("rollout",) * 2 + ("trainer",) * 4)
+    p = ERSPlanner().plan(Signals(cold_start=True, eval_next=True), wide)
+    assert [(m.src, m.dst) for m in p.moves] == [("trainer", "rollout")]
+    p = ERSPlanner(ERSConfig(eval_preempt=False)).plan(Signals(cold_start=True,
+                                                               eval_next=True), wide)
+    assert not p.moves
     bounded = ERSPlanner(ERSConfig(max_rollout_cells=3, cold_start_cells=1)).plan(
         Signals(cold_start=True), START)
     assert bounded.cells.count("rollout") == 3

@@ -58,8 +58,8 @@ Rules of `ERSPlanner` (each plan carries its reason):
 
 1. Cold start (before any rollout): lend rollout what an empty buffer leaves idle — every Ref
    cell (RAS = 0 is below any RA2P break-even, so colocated) and `cold_start_cells` trainer
-   cells (default 0; -1 lends every movable cell, the paper's maximal preemption). At the
-   first boundary the lent trainer cells return, all at once, unless generation is then the
+   cells (default 0; -1 lends every movable cell, the paper's maximal preemption), one more
+   when an evaluation runs during the first step (rule 3). At the first boundary the lent trainer cells return, all at once, unless generation is then the
    deficit; then as many stay as the rates say rollout needs.
 2. A Ref cell whose Ref runs no forward (no KL term) joins rollout.
 3. Evaluation: at the boundary that starts an evaluation (it runs during the next step) one
@@ -117,8 +117,8 @@ class ERSConfig:
     """Trainer cells the cold start lends to rollout; they return at the first boundary unless
     the rates measured then say rollout needs them. -1: every movable cell (the trainer at its
     minimum for the whole first step). 0 by default: a streaming trainer needs its width as
-    soon as the first micro-batch is ready, and in the simulator a lent cell cost the first
-    step more than it saved."""
+    soon as the first micro-batch is ready. With `eval_preempt`, an evaluation during the
+    first step borrows one more."""
     max_move_cells: int = 0
     """Most cells one plan moves when the measured rates call for several (0: up to half of
     the giving role's cells, rounded up)."""
@@ -535,8 +535,11 @@ class ERSPlanner:
 
     def _cold_start(self, s: Signals, cells: CellMap) -> ScalingPlan:
         """Lends rollout what an empty buffer leaves idle: every Ref cell (RAS = 0 is below
-        any break-even: colocated RA2P) and up to `cold_start_cells` trainer cells."""
+        any break-even: colocated RA2P) and up to `cold_start_cells` trainer cells, one more
+        when an evaluation runs during the first step (rule 3)."""
         budget = self.cfg.cold_start_cells
+        if budget >= 0 and s.eval_next and self.cfg.eval_preempt:
+            budget += 1
         moves: list[Move] = []
         after = cells
         for src in ("ref", "trainer"):
