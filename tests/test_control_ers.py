@@ -71,13 +71,125 @@ def test_hysteresis_a_move_is_not_undone_within_the_cooldown():
 
 
 def test_cold_start_allocates_rollout_preemptively_within_bounds():
-    p = ERSPlanner(ERSConfig(min_trainer_cells=1)).plan(Signals(cold_start=True), START)
+    # By default only the Ref is lent (RAS = 0 is below any break-even).
+    p = ERSPlanner().plan(Signals(cold_start=True), START)
+    assert p.rule == "cold_start" and [(m.src, m.dst) for m in p.moves] == [("ref", "rollout")]
+    assert p.ref_mode == "colocated"
+    p = ERSPlanner(ERSConfig(cold_start_cells=1)).plan(Signals(cold_start=True), START)
     assert p.rule == "cold_start" and len(p.moves) == 2  # the Ref and one trainer cell
     assert p.cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}
-    bounded = ERSPlanner(ERSConfig(max_rollout_cells=3)).plan(Signals(cold_start=True), START)
+    # An evaluation during the first step borrows one trainer cell more (rule 3).
+    wide = CellMap(("rollout",) * 2 + ("trainer",) * 4)
+    p = ERSPlanner().plan(Signals(cold_start=True, eval_next=True), wide)
+    assert [(m.src, m.dst) for m in p.moves] == [("trainer", "rollout")]
+    p = ERSPlanner(ERSConfig(eval_preempt=False)).plan(Signals(cold_start=True,
+                                                               eval_next=True), wide)
+    assert not p.moves
+    bounded = ERSPlanner(ERSConfig(max_rollout_cells=3, cold_start_cells=1)).plan(
+        Signals(cold_start=True), START)
     assert bounded.cells.count("rollout") == 3
     off = ERSPlanner(ERSConfig(cold_start=False)).plan(Signals(cold_start=True), START)
     assert not off.moves
+    # -1 lends every movable cell: the trainer sits at its minimum for the first step.
+    every = ERSPlanner(ERSConfig(cold_start_cells=-1)).plan(Signals(cold_start=True),
+                                                             CellMap(("rollout",) + ("trainer",) * 4))
+    assert every.cells.count("trainer") == 1 and len(every.moves) == 3
+
+
+def test_cold_start_cells_return_at_the_first_readiness_unless_rollout_needs_them():
+    start = CellMap(("rollout",) * 2 + ("trainer",) * 6)
+    # Lend three; the first boundary shows a full next batch (no generation deficit): all
+    # three return at once, to the cells they came from, and the trainer's width is back.
+    planner = ERSPlanner(ERSConfig(cold_start_cells=3))
+    lent = planner.plan(Signals(cold_start=True), start)
+    assert lent.cells.count("rollout") == 5 and lent.rule == "cold_start"
+    back = planner.plan(Signals(step=1, gen_rate=1.0, train_rate=1.0), lent.cells)
+    assert back.rule == "cold_return" and back.cells == start and len(back.moves) == 3
+    assert "3 of 3 lent cells return" in back.reason
+    # A generation deficit: as many stay as the rates say rollout needs. Per rollout cell
+    # 1.0/5 groups/s, per trainer cell 0.9/3: balance at 8·0.3/0.5 = 4.8 rollout cells, so 3
+    # of the lent cells stay (2 own + 3 = 5) ... and none return.
+    planner = ERSPlanner(ERSConfig(cold_start_cells=3))
+    lent = planner.plan(Signals(cold_start=True), start)
+    stay = planner.plan(Signals(step=1, gen_rate=1.0, train_rate=0.9, **GEN), lent.cells)
+    assert not stay.moves and stay.cells.count("rollout") == 5
+    # Slower generation per cell (balance at 8·0.3/(0.6+0.3) = 2.7): 2 of 3 return.
+    planner = ERSPlanner(ERSConfig(cold_start_cells=3))
+    lent = planner.plan(Signals(cold_start=True), start)
+    some = planner.plan(Signals(step=1, gen_rate=3.0, train_rate=0.9, **GEN), lent.cells)
+    assert some.rule == "cold_return" and some.cells.count("rollout") == 3
+    assert "balance near 2.7 rollout cells" in some.reason
+
+
+def test_a_large_deficit_moves_several_cells_sized_by_the_rates():
+    start = CellMap(("rollout",) * 2 + ("trainer",) * 6)
+    # The trainer waits: 0.5 groups/s per rollout cell, 0.5 per trainer cell → balance at 4
+    # rollout cells: two move in one plan (after patience), not one per cooldown.
+    gen = dict(GEN, gen_rate=1.0, train_rate=3.0, twt_frac=0.6)
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [gen, gen], start)
+    assert [len(p.moves) for p in plans] == [0, 2] and cells.count("rollout") == 4
+    assert plans[1].rule == "generation" and "rollout +2 cells" in plans[1].reason
+    assert "balance near 4.0 rollout cells" in plans[1].reason
+    # A huge gap is capped at half of the giving role's cells (rounded up), or at the bound.
+    far = dict(GEN, gen_rate=0.1, train_rate=6.0)
+    plans, cells = run(ERSPlanner(ERSConfig(patience=1)), [far], start)
+    assert len(plans[0].moves) == 3
+    plans, cells = run(ERSPlanner(ERSConfig(patience=1, max_move_cells=1)), [far], start)
+    assert len(plans[0].moves) == 1
+    # Rollout throttled half the interval: it could generate twice what arrived. 0.25
+    # groups/s per rollout cell measured → 1.0 once throttling is taken out, against 0.25
+    # per trainer cell: balance at 1.6 of 8, so three of five rollout cells join the trainer.
+    start = CellMap(("rollout",) * 5 + ("trainer",) * 3)
+    con = dict(CON, gen_rate=2.5, train_rate=0.75, rwt_frac=0.5)
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, max_ref_cells=0)), [con, con], start)
+    assert [(m.src, m.dst) for m in plans[1].moves] == [("rollout", "trainer")] * 3
+    assert cells.count("trainer") == 6
+    # Without rates a deficit moves one cell, as before.
+    plans, _ = run(ERSPlanner(ERSConfig(patience=2, max_ref_cells=0)), [CON, CON], start)
+    assert len(plans[1].moves) == 1
+
+
+def test_rates_predict_a_generation_deficit_a_burst_would_hide():
+    """OSWorld-like start: the first groups finish together, so the boundary sees a full batch
+    and a trainer that waited; the next sees an empty buffer and a trainer that did not
+    wait. Neither is a generation deficit by the buffer's test, but groups arrive at a tenth
+    of what the trainer trains: the rates call it, and the move is sized by them."""
+    start = CellMap(("rollout",) * 8 + ("trainer",) * 24)
+    first = dict(gen_rate=0.13, train_rate=1.7, twt_frac=0.95)  # after the run's start
+    second = dict(gen_rate=0.09, train_rate=1.5, twt_frac=0.0)
+    planner = ERSPlanner(ERSConfig(patience=2))
+    assert not planner.plan(Signals(step=0, cold_start=True), start).moves
+    p1 = planner.plan(Signals(step=1, **first), start)
+    p2 = planner.plan(Signals(step=2, **second), p1.cells)
+    assert not p1.moves and p2.rule == "generation" and len(p2.moves) == 12  # half of 24
+    assert "the trainer would wait 94% of its steps" in p2.reason
+    # A consumption deficit at the run's first boundary does not count (its step compiled):
+    # with patience 2 nothing moves at the second boundary.
+    planner = ERSPlanner(ERSConfig(patience=2, max_ref_cells=0))
+    planner.plan(Signals(step=0, cold_start=True), start)
+    p1 = planner.plan(Signals(step=1, **CON), start)
+    p2 = planner.plan(Signals(step=2, **CON), start)
+    p3 = planner.plan(Signals(step=3, **CON), start)
+    assert not p1.moves and not p2.moves and p3.rule == "consumption"
+    # Rates near the balance predict nothing.
+    calm = dict(gen_rate=1.0, train_rate=1.1)
+    plans, _ = run(ERSPlanner(ERSConfig(patience=1)), [calm] * 5, start)
+    assert not moves(plans)
+
+
+def test_multi_cell_moves_keep_the_hysteresis():
+    start = CellMap(("rollout",) * 2 + ("trainer",) * 6)
+    gen = dict(GEN, gen_rate=1.0, train_rate=3.0)
+    con = dict(CON, gen_rate=4.0, train_rate=1.0, rwt_frac=0.5)
+    cfg = ERSConfig(patience=2, cooldown=4, max_ref_cells=0)
+    # Noise around the balance moves nothing, however large the rates make each side look.
+    plans, cells = run(ERSPlanner(cfg), [gen, con] * 8, start)
+    assert not moves(plans) and cells == start
+    # A move is not undone within the cooldown, even by a large opposite deficit.
+    plans, _ = run(ERSPlanner(cfg), [gen, gen] + [con] * 8, start)
+    first, undo = [i for i, p in enumerate(plans) if p.moves][:2]
+    assert plans[first].moves[0].dst == "rollout" and plans[undo].moves[0].dst == "trainer"
+    assert undo - first >= cfg.cooldown
 
 
 def test_evaluation_gets_a_preemptive_rollout_cell_that_returns_after_it():
@@ -146,7 +258,8 @@ def test_keep_split_follows_ra2p_advice_on_fixed_cells():
 
 
 @pytest.mark.parametrize("bad", [dict(tau=0), dict(patience=0), dict(min_trainer_cells=0),
-                                 dict(min_rollout_cells=2, max_rollout_cells=1)])
+                                 dict(min_rollout_cells=2, max_rollout_cells=1),
+                                 dict(cold_start_cells=-2), dict(max_move_cells=-1)])
 def test_ers_config_errors_name_the_key(bad):
     from tiderl.configlib import ConfigError
 

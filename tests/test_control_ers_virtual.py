@@ -182,13 +182,16 @@ def test_ers_planner_runs_a_job_on_virtual_time(capacity):
     """The real planner in the loop: a job with a tight or a roomy pool finishes, every plan
     keeps its bounds, and each change is logged with its reason."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = go(run(ERSPlanner(ERSConfig(patience=1, cooldown=1)),
+        out = go(run(ERSPlanner(ERSConfig(patience=1, cooldown=1, cold_start_cells=1)),
                      CellMap(("rollout", "rollout", "trainer", "trainer")), steps=8,
                      capacity=capacity, tmp=tmp))
     steps = [r for r in out["records"] if r["kind"] == "step"]
     assert len(steps) == 8 and out["summary"]["ended"].startswith("completed")
     changes = [r for r in out["records"] if r["kind"] == "role_change"]
     assert changes and changes[0]["rule"] == "cold_start"  # the buffer starts empty
+    # The lent cell returns at the first readiness, or stays on a generation deficit.
+    assert changes[0]["cells"]["trainer"] == [2]
+    assert steps[0]["plan_rule"] in ("cold_return", "keep", "generation")
     for r in steps:
         assert r["rollout_cells"] >= 1 and r["trainer_cells"] >= 1
         assert r["rollout_cells"] + r["trainer_cells"] + r["ref_cells"] == 4

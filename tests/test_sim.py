@@ -242,7 +242,8 @@ def test_ers_runs_through_the_one_hook_or_is_refused_clearly():
     c = run.controller
     assert type(c.planner) is ERSPlanner and len(run.steps) == 3
     changes = [r for r in run.records if r.get("kind") == "role_change"]
-    assert changes and changes[0]["reason"].startswith("cold start")
+    # Two rollout ranks cannot feed two trainer GPUs here: a generation deficit moves a cell.
+    assert changes and changes[0]["rule"] == "generation" and changes[0]["reason"]
     cells = c.roles.cells
     assert run.trainer.actor_gpus == cells.count("trainer")
     live = [i for i, r in enumerate(c.manager.ranks) if r is not None]

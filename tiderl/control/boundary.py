@@ -71,15 +71,22 @@ class ReadinessAware:
         advise = getattr(self.trainer, "advise_mode", None)
         self._advice = advise(predicted_ready_times(n_mb, r.ras_next, tprm), m_actor) \
             if advise is not None else None
+        # The trainer's consumption capacity at its current width: groups per second of its
+        # own compute (the step less the time it waited for data).
+        compute = out["step_time"] - out["twt"]
+        train_rate = len(out["taken"]) / compute if compute > 0 and out["taken"] else float(
+            "nan")
         return self._to_signals(r, eval_next=bool(c.eval_every and self.eval_groups
                                                   and self.step % c.eval_every == 0
-                                                  and self.step < c.steps))
+                                                  and self.step < c.steps),
+                                train_rate=train_rate)
 
-    def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False) -> Signals:
+    def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False,
+                    train_rate: float = float("nan")) -> Signals:
         a = self._advice
         return Signals.from_readiness(
             r, step=self.step, cold_start=cold_start, eval_next=eval_next,
-            uses_ref=self._uses_ref(),
+            uses_ref=self._uses_ref(), train_rate=train_rate,
             ra2p_mode=a.mode if a is not None else self.roles.ref_mode, pinned=self._pinned())
 
     def _pinned(self) -> frozenset[int]:

@@ -44,32 +44,43 @@ Calling the planner directly (a simulator that runs its own loop): one planner o
     plan = planner.plan(Signals(step=0, cold_start=True), cells)    # before any rollout
     ...                                                             # after each update:
     plan = planner.plan(Signals.from_readiness(r, step=k, eval_next=False), cells)
-    cells = plan.cells       # the roles for the next step; plan.moves: at most one Move
-                             # (cell, src, dst), except the cold-start plan; plan.rule,
-                             # plan.reason: why; plan.ref_mode: "decoupled" iff a ref cell
+    cells = plan.cells       # the roles for the next step; plan.moves: the Moves
+                             # (cell, src, dst); plan.rule, plan.reason: why;
+                             # plan.ref_mode: "decoupled" iff a ref cell
 
 `r` is the `tiderl.control.buffer.Readiness` that `ReadinessBuffer.boundary(...)` returns (or
 any object with its deficit fields); `Signals(...)` can also be filled by hand. A plan whose
-`cells` equal the input (`plan.moves == ()`) changes nothing.
+`cells` equal the input (`plan.moves == ()`) changes nothing. `train_rate=` (groups the trainer
+trained per second of its own compute in the last step) lets the planner size a move; without
+it every deficit moves one cell.
 
-Rules of `ERSPlanner` (each plan carries its reason; at most one cell moves per boundary, except
-the cold-start plan made before any rollout has run):
+Rules of `ERSPlanner` (each plan carries its reason):
 
-1. Cold start: maximise rollout (every Ref cell and every trainer cell above the trainer's
-   minimum) — preemptive generation allocation while the buffer is empty.
+1. Cold start (before any rollout): lend rollout what an empty buffer leaves idle — every Ref
+   cell (RAS = 0 is below any RA2P break-even, so colocated) and `cold_start_cells` trainer
+   cells (default 0; -1 lends every movable cell, the paper's maximal preemption), one more
+   when an evaluation runs during the first step (rule 3). At the first boundary the lent trainer cells return, all at once, unless generation is then the
+   deficit; then as many stay as the rates say rollout needs.
 2. A Ref cell whose Ref runs no forward (no KL term) joins rollout.
 3. Evaluation: at the boundary that starts an evaluation (it runs during the next step) one
    cell moves to rollout preemptively; at the next boundary it returns unless generation is
    then the deficit.
 4. Consumption deficit (data waits for the trainer: head-of-line latency over τ·T_step, RAS at
    or above the RA2P break-even, or rollout throttled) held for `patience` boundaries: if RA2P
-   advises decoupled and there is no Ref cell, a rollout cell becomes the Ref; else a rollout
-   cell joins the trainer.
+   advises decoupled and there is no Ref cell, a rollout cell becomes the Ref; else rollout
+   cells join the trainer.
 5. Generation deficit (the next batch is short of B_ideal and the trainer waited) held for
-   `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else a trainer cell does.
-6. Hysteresis: besides `patience`, a move that undoes the previous one waits `cooldown`
-   boundaries, and the boundary right after the run's start or a move does not count toward
-   `patience` (its step compiled, or began on the old layout). Bounds are never crossed.
+   `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else trainer cells do.
+6. Sizing: the signals choose the direction, the measured rates the size. Groups generated per
+   rollout cell (the throttled share of the interval taken out) against groups trained per
+   trainer cell put the balance at N·c/(g + c) rollout cells; a deficit's move covers the gap
+   to it, at least one cell and at most `max_move_cells` (default half of the giving role's
+   cells, rounded up), so a large imbalance closes in one or two boundaries instead of one
+   cell per cooldown.
+7. Hysteresis: besides `patience`, a move that undoes the previous one waits `cooldown`
+   boundaries; the boundary after a move does not count toward `patience` (its data came
+   partly from the old layout), nor does a consumption deficit at the first boundary (its
+   step compiled, so the trainer looked slow). Bounds are never crossed.
 """
 
 from __future__ import annotations
@@ -100,7 +111,17 @@ class ERSConfig:
     cooldown: int = 3
     """Boundaries before a move may undo the previous move."""
     cold_start: bool = True
-    """Before the first step, move every movable cell to rollout (the buffer is empty)."""
+    """Before the first step, lend rollout the cells an empty buffer leaves idle: every Ref
+    cell (RAS = 0 is below any RA2P break-even) and `cold_start_cells` trainer cells."""
+    cold_start_cells: int = 0
+    """Trainer cells the cold start lends to rollout; they return at the first boundary unless
+    the rates measured then say rollout needs them. -1: every movable cell (the trainer at its
+    minimum for the whole first step). 0 by default: a streaming trainer needs its width as
+    soon as the first micro-batch is ready. With `eval_preempt`, an evaluation during the
+    first step borrows one more."""
+    max_move_cells: int = 0
+    """Most cells one plan moves when the measured rates call for several (0: up to half of
+    the giving role's cells, rounded up)."""
     eval_preempt: bool = True
     """Move one cell to rollout for the step that runs an evaluation, and back after it."""
     min_rollout_cells: int = 1
@@ -133,6 +154,12 @@ class ERSConfig:
                                   "set 0 (no bound)")
         if self.max_ref_cells < 0:
             raise ConfigError("config key 'controller.elastic.max_ref_cells' must be >= 0")
+        if self.cold_start_cells < -1:
+            raise ConfigError("config key 'controller.elastic.cold_start_cells' must be >= 0, "
+                              "or -1 (every movable cell)")
+        if self.max_move_cells < 0:
+            raise ConfigError("config key 'controller.elastic.max_move_cells' must be >= 0 "
+                              "(0: up to half of the giving role's cells)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +203,8 @@ class ScalingPlan:
     moves: tuple[Move, ...] = ()
     reason: str = "keep"
     rule: str = "keep"
-    """keep | cold_start | no_ref | eval | eval_return | consumption | generation | ra2p"""
+    """keep | cold_start | cold_return | no_ref | eval | eval_return | consumption | generation |
+    ra2p"""
     ref_mode: str = "colocated"
     """RA2P mode for the next step: decoupled (Ref on the ref cells) or colocated."""
 
@@ -234,16 +262,26 @@ class Signals:
     deficit_reason: str = ""
     pinned: frozenset[int] = frozenset()
     """Cells never moved (e.g. a rollout rank there failed)."""
-
+    gen_rate: float = float("nan")
+    """Trainable groups per second arriving from rollout (the buffer's `gen_rate`)."""
+    train_rate: float = float("nan")
+    """Groups per second the trainer trains while computing (its last step's groups over
+    its step time less TWT): the consumption capacity at the current width."""
+    twt_frac: float = 0.0
+    """Share of the last step the trainer waited for data."""
+    rwt_frac: float = 0.0
+    """Share of the interval since the previous boundary rollout sat throttled."""
 
     @classmethod
     def from_readiness(cls, r: Any, *, step: int, eval_next: bool = False,
                        cold_start: bool = False, uses_ref: bool = True,
-                       ra2p_mode: str | None = None,
+                       ra2p_mode: str | None = None, train_rate: float = float("nan"),
                        pinned: frozenset[int] = frozenset()) -> Signals:
         """The planner's view of a boundary's `Readiness` (`ReadinessBuffer.boundary`), plus
         the run's state the buffer does not know. `ra2p_mode`: the cost model's advice (None:
-        decoupled when RAS is at or above the break-even, else colocated)."""
+        decoupled when RAS is at or above the break-even, else colocated); `train_rate`: the
+        trainer's groups per second of compute (without it the planner moves one cell at a
+        time)."""
         if ra2p_mode is None:
             ra2p_mode = "decoupled" if r.above_break_even else "colocated"
         return cls(step=step, cold_start=cold_start, eval_next=eval_next, uses_ref=uses_ref,
@@ -251,7 +289,9 @@ class Signals:
                    generation_deficit=r.generation_deficit,
                    consumption_deficit=r.consumption_deficit,
                    above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
-                   pinned=pinned)
+                   pinned=pinned, gen_rate=float(getattr(r, "gen_rate", float("nan"))),
+                   train_rate=train_rate, twt_frac=float(getattr(r, "twt_frac", 0.0)),
+                   rwt_frac=float(getattr(r, "rwt_frac", 0.0)))
 
 
 class Planner(Protocol):
@@ -299,12 +339,17 @@ class ERSPlanner:
         """Each cell's role in the first map seen: moves prefer sending cells home, so the
         trainer meshes it passes through recur (compiled once)."""
         self._gen = self._con = 0
-        self._settle = True
-        """The next boundary follows the run's start or a move: its step compiled, or ran on a
-        layout it did not start with, so its signals do not count toward `patience`."""
-        self._last: Move | None = None
+        self._settle: str | None = "start"
+        """The next boundary follows the run's start ("start": its step compiled, which makes
+        the trainer look slow, so a consumption deficit there does not count toward
+        `patience`; a generation deficit, which compilation only hides, does) or a move
+        ("move": its data came partly from the old layout, so nothing counts)."""
+        self._last: tuple[str, str] | None = None
+        """(src, dst) of the last move."""
         self._since_last = math.inf
         self._eval_moved: Move | None = None
+        self._lent: tuple[Move, ...] = ()
+        """Trainer cells the cold start lent to rollout, until the first boundary."""
 
     # -- bounds ---------------------------------------------------------------------------
     def _can_leave(self, cells: CellMap, role: str) -> bool:
@@ -344,24 +389,76 @@ class ERSPlanner:
         return min(options, key=lambda c: self._pref(c, dst))
 
     def _move(self, cells: CellMap, src: str, dst: str, signals: Signals, *, rule: str,
-              reason: str, check_cooldown: bool = True, cell: int | None = None
-              ) -> ScalingPlan | None:
-        if not (self._can_leave(cells, src) and self._can_join(cells, dst)):
+              reason: str, check_cooldown: bool = True, n: int = 1,
+              prefer: Sequence[int] = ()) -> ScalingPlan | None:
+        """Up to `n` cells `src` → `dst` within the bounds (the `prefer`red ones first), or
+        None when none can move (bounds, pins, or the cooldown against undoing a move)."""
+        if check_cooldown and self._last == (dst, src) and self._since_last < self.cfg.cooldown:
             return None
-        if check_cooldown and self._last is not None and (self._last.src, self._last.dst) == (
-                dst, src) and self._since_last < self.cfg.cooldown:
+        moves: list[Move] = []
+        after = cells
+        wanted = [x for x in prefer if x not in signals.pinned]
+        while len(moves) < n and self._can_leave(after, src) and self._can_join(after, dst):
+            cell = next((x for x in wanted if after.roles[x] == src), None)
+            if cell is None:
+                cell = self._donor(after, src, dst, signals.pinned)
+            if cell is None:
+                break
+            moves.append(Move(cell, src, dst))
+            after = after.with_role(cell, dst)
+        if not moves:
             return None
-        if cell is None or cells.roles[cell] != src or cell in signals.pinned:
-            cell = self._donor(cells, src, dst, signals.pinned)
-        if cell is None:
-            return None
-        after = cells.with_role(cell, dst)
-        move = Move(cell, src, dst)
-        self._last, self._since_last = move, 0
-        self._settle, self._con, self._gen = True, 0, 0
-        return ScalingPlan(after, (move,), reason=f"{reason}: cell {cell} {src} → {dst}",
+        self._last, self._since_last = (src, dst), 0
+        self._settle, self._con, self._gen = "move", 0, 0
+        which = (f"cell {moves[0].cell}" if len(moves) == 1 else
+                 "cells " + ", ".join(str(m.cell) for m in moves))
+        reason = reason.replace("{n}", f"{len(moves)} cell{'s' if len(moves) > 1 else ''}")
+        return ScalingPlan(after, tuple(moves), reason=f"{reason}: {which} {src} → {dst}",
                            rule=rule, ref_mode=_ref_mode(after))
 
+    # -- sizing ---------------------------------------------------------------------------
+    def _balance(self, s: Signals, cells: CellMap) -> float | None:
+        """Rollout cells at which generation would match consumption, from the measured rates:
+        groups generated per rollout cell (the throttled share of the interval taken out, so a
+        throttled rollout is not read as a slow one) against groups trained per trainer cell,
+        both taken as linear in cells. None without both rates."""
+        n_r, n_t = cells.count("rollout"), cells.count("trainer")
+        if n_r < 1 or n_t < 1 or not (math.isfinite(s.gen_rate) and s.gen_rate > 0
+                                      and math.isfinite(s.train_rate) and s.train_rate > 0):
+            return None
+        per_rollout = s.gen_rate / max(1.0 - s.rwt_frac, 0.1) / n_r
+        per_trainer = s.train_rate / n_t
+        return (n_r + n_t) * per_trainer / (per_rollout + per_trainer)
+
+    def _starving(self, s: Signals) -> str | None:
+        """A generation deficit the rates predict before the trainer has waited (the paper's
+        long TPRM): groups arrive slower than `1 − wait_frac` of what the trainer trains per
+        second of compute, so the next steps wait more than `wait_frac` whatever the buffer
+        holds now (a burst of groups finishing together fills it once). None: no such
+        prediction (or no rates); else its words."""
+        g, c = s.gen_rate, s.train_rate
+        if not (math.isfinite(g) and math.isfinite(c) and g > 0 and c > 0):
+            return None
+        if g >= (1.0 - self.cfg.wait_frac) * c:
+            return None
+        return (f"{g:.3g} groups/s generated against {c:.3g} trained per second of compute: "
+                f"the trainer would wait {1 - g / c:.0%} of its steps")
+
+    def _size(self, s: Signals, cells: CellMap, src: str, dst: str) -> tuple[int, str]:
+        """How many cells a deficit's move takes (at least one; more when the rates put the
+        balance further away, at most `max_move_cells`, by default half of `src`'s cells),
+        and the words for the reason."""
+        target = self._balance(s, cells)
+        if target is None:
+            return 1, ""
+        n_r = cells.count("rollout")
+        gap = target - n_r if dst == "rollout" else n_r - target
+        cap = self.cfg.max_move_cells or -(-cells.count(src) // 2)
+        n = max(1, min(cap, math.floor(gap + 0.5)))
+        return n, (f"; rates {s.gen_rate:.3g} groups/s generated, {s.train_rate:.3g} trained "
+                   f"per second of compute: balance near {target:.1f} rollout cells")
+
+    # -- the rules ------------------------------------------------------------------------
     def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
         if self.home is None:
             self.home = cells.roles
@@ -369,28 +466,32 @@ class ERSPlanner:
         s, c = signals, self.cfg
         keep = ScalingPlan(cells, ref_mode=_ref_mode(cells))
         if s.cold_start:
-            self._settle = True
+            self._settle = "start"
             return self._cold_start(s, cells) if c.cold_start else keep
-        if self._settle:
-            self._settle, self._con, self._gen = False, 0, 0
-        else:
-            # A backlog at the RA2P break-even asks for a Ref cell: it is no deficit once one
-            # serves (or with nothing for a Ref to compute).
-            con = s.consumption_deficit or (s.above_break_even and s.uses_ref
-                                            and not cells.count("ref"))
-            self._con = self._con + 1 if con and not s.generation_deficit else 0
-            self._gen = self._gen + 1 if s.generation_deficit and not con else 0
+        settle, self._settle = self._settle, None
+        # A backlog at the RA2P break-even asks for a Ref cell: it is no deficit once one
+        # serves (or with nothing for a Ref to compute).
+        con = s.consumption_deficit or (s.above_break_even and s.uses_ref
+                                        and not cells.count("ref"))
+        starving = self._starving(s)
+        gen = (s.generation_deficit or starving is not None) and not con
+        self._con = self._con + 1 if con and not s.generation_deficit and not settle else 0
+        self._gen = self._gen + 1 if gen and settle != "move" else 0
         if cells.count("ref") and not s.uses_ref:
             p = self._move(cells, "ref", "rollout", s, rule="no_ref", check_cooldown=False,
                            reason="no KL term, so the Ref runs no forward: its cell serves "
                                   "rollout (colocated RA2P)")
             if p is not None:
                 return p
+        if self._lent:
+            p = self._cold_return(s, cells, gen)
+            if p is not None:
+                return p
         if self._eval_moved is not None and not s.eval_next:
             back, self._eval_moved = self._eval_moved, None
-            if not s.generation_deficit:
+            if not gen:
                 p = self._move(cells, "rollout", back.src, s, rule="eval_return",
-                               check_cooldown=False, cell=back.cell,
+                               check_cooldown=False, prefer=(back.cell,),
                                reason="evaluation over: the preemptive rollout cell returns")
                 if p is not None:
                     return p
@@ -402,7 +503,8 @@ class ERSPlanner:
                 if p is not None:
                     self._eval_moved = p.moves[0]
                     return p
-        why = f" ({s.deficit_reason})" if s.deficit_reason else ""
+        why = s.deficit_reason if not gen or s.generation_deficit else starving
+        why = f" ({why})" if why else ""
         if self._con >= c.patience:
             if s.uses_ref and not cells.count("ref") and (s.above_break_even
                                                            or s.ra2p_mode == "decoupled"):
@@ -412,25 +514,38 @@ class ERSPlanner:
                                       "a dedicated Ref")
                 if p is not None:
                     return p
-            p = self._move(cells, "rollout", "trainer", s, rule="consumption",
-                           reason=f"consumption deficit{why}: trainer +1 cell") \
-                if s.consumption_deficit else None
-            if p is not None:
-                return p
-        if self._gen >= c.patience:
-            for src, what in (("ref", "colocated RA2P, the Ref cell serves rollout"),
-                              ("trainer", "rollout +1 cell")):
-                p = self._move(cells, src, "rollout", s, rule="generation",
-                               reason=f"generation deficit{why}: {what}")
+            if s.consumption_deficit:
+                n, note = self._size(s, cells, "rollout", "trainer")
+                p = self._move(cells, "rollout", "trainer", s, rule="consumption", n=n,
+                               reason=f"consumption deficit{why}{note}: trainer +{{n}}")
                 if p is not None:
                     return p
+        if self._gen >= c.patience:
+            p = self._move(cells, "ref", "rollout", s, rule="generation",
+                           reason=f"generation deficit{why}: colocated RA2P, the Ref cell "
+                                  "serves rollout")
+            if p is not None:
+                return p
+            n, note = self._size(s, cells, "trainer", "rollout")
+            p = self._move(cells, "trainer", "rollout", s, rule="generation", n=n,
+                           reason=f"generation deficit{why}{note}: rollout +{{n}}")
+            if p is not None:
+                return p
         return keep
 
     def _cold_start(self, s: Signals, cells: CellMap) -> ScalingPlan:
+        """Lends rollout what an empty buffer leaves idle: every Ref cell (RAS = 0 is below
+        any break-even: colocated RA2P) and up to `cold_start_cells` trainer cells, one more
+        when an evaluation runs during the first step (rule 3)."""
+        budget = self.cfg.cold_start_cells
+        if budget >= 0 and s.eval_next and self.cfg.eval_preempt:
+            budget += 1
         moves: list[Move] = []
         after = cells
         for src in ("ref", "trainer"):
-            while self._can_leave(after, src) and self._can_join(after, "rollout"):
+            while self._can_leave(after, src) and self._can_join(after, "rollout") and (
+                    src == "ref" or budget < 0 or sum(m.src == "trainer" for m in moves)
+                    < budget):
                 cell = self._donor(after, src, "rollout", s.pinned)
                 if cell is None:
                     break
@@ -438,11 +553,36 @@ class ERSPlanner:
                 after = after.with_role(cell, "rollout")
         if not moves:
             return ScalingPlan(cells, ref_mode=_ref_mode(cells))
+        self._lent = tuple(m for m in moves if m.src == "trainer")
         self._since_last = math.inf  # nothing to undo: the steady-state rules start fresh
         return ScalingPlan(after, tuple(moves), rule="cold_start",
                            reason="cold start: preemptive rollout allocation while the buffer "
                                   f"is empty ({len(moves)} cells → rollout)",
                            ref_mode=_ref_mode(after))
+
+    def _cold_return(self, s: Signals, cells: CellMap, gen: bool) -> ScalingPlan | None:
+        """The first boundary after a cold start: the lent trainer cells return, unless
+        generation is then the deficit; then as many stay as the measured rates say rollout
+        needs (all of them without rates). A full next batch means the generation rate was
+        capped by the staleness bound, not by rollout, so it sizes nothing."""
+        lent, self._lent = self._lent, ()
+        own = cells.count("rollout") - sum(cells.roles[m.cell] == "rollout" for m in lent)
+        target = self._balance(s, cells) if gen else None
+        if target is not None:
+            stay = min(len(lent), max(0, math.floor(target + 0.5) - own))
+            why = (f"generation deficit; the rates ({s.gen_rate:.3g} groups/s generated, "
+                   f"{s.train_rate:.3g} trained per second of compute) balance near "
+                   f"{target:.1f} rollout cells")
+        else:
+            stay = len(lent) if gen else 0
+            why = "generation deficit" if stay else "no generation deficit"
+        back = len(lent) - stay
+        if not back:
+            return None
+        return self._move(cells, "rollout", "trainer", s, rule="cold_return", n=back,
+                          check_cooldown=False, prefer=[m.cell for m in lent],
+                          reason=f"first readiness after the cold start: {why}; {back} of "
+                                 f"{len(lent)} lent cells return")
 
 
 def _ref_mode(cells: CellMap) -> str:
