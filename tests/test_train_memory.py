@@ -200,6 +200,33 @@ def test_remat_scanned_layers_and_token_chunks_equal_the_plain_path():
                                                                            False)
 
 
+def test_grouped_remat_keeps_fewer_inputs_and_equals_the_plain_path():
+    """trainer.remat_group: only every group-th block input is kept (the others recomputed in
+    the backward); values and gradients are those of the plain forward (same per-block ops)."""
+    cfg = dataclasses.replace(UNTIED, n_layers=4)
+    scfg = dataclasses.replace(cfg, scan_layers=True)
+    graphdef, params = nnx.split(build_policy(cfg, seed=4))
+    sgraphdef = abstract_policy(scfg)[0]
+    stacked = convert_layout(params, cfg, scan_layers=True)
+    batch = _batch(seed=5)
+    (_, (lp0, _)), g0 = _value_and_grads(make_outputs(graphdef, 1.0), params, batch)
+    saved = {}
+    for group in (2,):  # 1: test_remat_scanned_layers_and_token_chunks_equal_the_plain_path
+        kw = dict(remat=True, token_chunk=5, remat_group=group)
+        (_, (lp1, _)), g1 = _value_and_grads(make_outputs(sgraphdef, 1.0, **kw), stacked, batch)
+        np.testing.assert_allclose(lp1, lp0, atol=1e-6, rtol=0, err_msg=str(group))
+        assert _rel(convert_layout(g1, scfg, scan_layers=False), g0) < REMAT_RTOL, group
+        vjp = jax.eval_shape(lambda p, kw=kw: jax.vjp(  # shapes only
+            lambda q: make_outputs(sgraphdef, 1.0, **kw)(q, batch), p)[1], stacked)
+        saved[group] = sum(x.size for x in jax.tree.leaves(vjp)
+                           if x.ndim == 4 and x.shape[1:] == (3, 17, 32))  # [n, B, T, D] inputs
+    assert saved == {2: 2 * 3 * 17 * 32}  # 2 of the 4 layers' inputs
+    with pytest.raises(ValueError, match="trainer.remat_group=3"):
+        make_outputs(sgraphdef, 1.0, remat=True, remat_group=3)(stacked, batch)
+    with pytest.raises(ConfigError, match="trainer.remat_group"):
+        TrainerConfig(remat_group=0)
+
+
 def _backward_temp_bytes(n_layers):
     """XLA's temporaries of the Actor backward kernel (compile only) for a scanned,
     rematerialised, token-chunked stack of `n_layers` blocks, 2 rows × 256 tokens."""

@@ -120,7 +120,8 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
     devices of the platform it started on.
 
     `low_memory` (launch passes `trainer.remat`) adds XLA:CPU's memory-ordered scheduler on
-    the CPU (`CPU_LOW_MEMORY_FLAG`). Environment variables and flags are read when a backend
+    the CPU (`CPU_LOW_MEMORY_FLAG`) and fixes glibc's mmap threshold there
+    (`cpu_low_memory_malloc`). Environment variables and flags are read when a backend
     starts; a started backend keeps its own."""
     import os
 
@@ -138,6 +139,10 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
         jax.config.update("jax_num_cpu_devices", env.num_cpu_devices)
     devices = list(jax.devices())
     check_platform(cfg.platform, devices[0].platform)
+    if low_memory and devices[0].platform == "cpu":
+        from tiderl.platforms import cpu_low_memory_malloc
+
+        cpu_low_memory_malloc()  # host memory is the device's: freed buffers go back
     return devices
 
 

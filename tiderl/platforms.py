@@ -48,6 +48,31 @@ the backward of a Qwen2.5-0.5B-shaped model at 4 × 1,024 tokens: 24.6 GiB of te
 7.5 GiB with its memory-ordered scheduler)."""
 
 
+CPU_MMAP_THRESHOLD = 1 << 20
+"""Bytes from which glibc's malloc always maps a block on its own (`cpu_low_memory_malloc`)."""
+
+
+def cpu_low_memory_malloc() -> bool:
+    """Fixes glibc's mmap threshold at `CPU_MMAP_THRESHOLD` (and its trim threshold with it).
+
+    XLA:CPU allocates its buffers with malloc. glibc raises its mmap threshold to the size of
+    each mapped block freed (up to 32 MiB), so after the first step's buffers are freed the
+    next ones of up to that size come from the heap, whose freed pages stay resident: the
+    compiler's and earlier kernels' leftovers add to the backward's peak. With the threshold
+    fixed every block of a MiB or more is mapped and unmapped on its own and its memory goes
+    back when freed. Returns False where the C library is not glibc (nothing changed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+    return bool(mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD)
+                and mallopt(m_trim_threshold, CPU_MMAP_THRESHOLD))
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchEnv:
     """What to set before JAX starts: config values, environment variables, and why."""

@@ -156,7 +156,7 @@ def _load(x: Array, dtype: Any) -> Array:
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
-def scan_remat(apply: Any, stacked: Any, x_btd: Array, consts: tuple) -> Array:
+def scan_remat(apply: Any, stacked: Any, x_btd: Array, consts: tuple, group: int = 1) -> Array:
     """`x ← apply(layer_state, x, consts)` over the stacked layers, rematerialised per layer.
 
     What `lax.scan(jax.checkpoint(body))` computes, written out so the saved layer inputs are
@@ -164,30 +164,86 @@ def scan_remat(apply: Any, stacked: Any, x_btd: Array, consts: tuple) -> Array:
     layers in reverse, recomputing one layer at a time from its input and pulling the
     cotangent through it (`jax.vjp`), writing each layer's parameter gradient into the stacked
     gradient. `consts` (positions, masks: integers or booleans) get no gradient.
+
+    `group` > 1 (dividing the layer count) keeps only every `group`-th layer input between the
+    forward and the backward: the backward takes the groups in reverse, recomputes the
+    group's other inputs from its first (one more forward of those layers), then runs the
+    per-layer backward above over them. n/group + group saved inputs are live instead of n
+    (10 instead of 24 for 24 layers in groups of 6), for about a quarter more step compute.
+    The per-layer arithmetic is the same, so are the results.
     """
     dtype = x_btd.dtype
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    if group > 1 and n % group:
+        raise ValueError(f"trainer.remat_group={group} does not divide the {n} layers; pick a "
+                         "divisor of model.n_layers (1: keep every layer's input)")
+    group = max(group, 1)
+
+    def layer(stacked, i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                            stacked)
 
     @jax.custom_vjp
     def stack(stacked, x, consts):
         return jax.lax.scan(lambda x, st: (apply(st, x, consts), None), x, stacked)[0]
 
     def fwd(stacked, x, consts):
-        def body(x, st):
-            return apply(st, x, consts), _store(x)
+        if group == 1:
+            def body(x, st):
+                return apply(st, x, consts), _store(x)
 
-        y, saved = jax.lax.scan(body, x, stacked)
+            y, saved = jax.lax.scan(body, x, stacked)
+            return y, (stacked, saved, consts)
+
+        def gbody(carry, xs):
+            x, saved = carry
+            st, i = xs
+            slot = i // group
+            # Only a group's first input is kept: the others rewrite the slot as it was.
+            cur = jax.lax.dynamic_index_in_dim(saved, slot, keepdims=False)
+            keep = jnp.where(i % group == 0, _store(x), cur)
+            saved = jax.lax.dynamic_update_index_in_dim(saved, keep, slot, 0)
+            return (apply(st, x, consts), saved), None
+
+        saved0 = jnp.zeros((n // group, *x.shape), _store(x).dtype)
+        (y, saved), _ = jax.lax.scan(gbody, (x, saved0), (stacked, jnp.arange(n)))
         return y, (stacked, saved, consts)
 
     def bwd(res, dy):
         stacked, saved, consts = res
+        if group == 1:
+            def body(dy, xs):
+                st, x_saved = xs
+                _, vjp = jax.vjp(lambda st, x: apply(st, x, consts), st, _load(x_saved, dtype))
+                dst, dx = vjp(dy)
+                return dx, dst
 
-        def body(dy, xs):
-            st, x_saved = xs
-            _, vjp = jax.vjp(lambda st, x: apply(st, x, consts), st, _load(x_saved, dtype))
-            dst, dx = vjp(dy)
-            return dx, dst
+            dx, dstacked = jax.lax.scan(body, dy, (stacked, saved), reverse=True)
+            return dstacked, dx, jax.tree.map(lambda _: None, consts)
 
-        dx, dstacked = jax.lax.scan(body, dy, (stacked, saved), reverse=True)
+        def group_bwd(carry, g):
+            def refwd(x, j):
+                return apply(layer(stacked, g * group + j), x, consts), _store(x)
+
+            _, inner = jax.lax.scan(refwd, _load(saved[g], dtype), jnp.arange(group))
+
+            def body(carry, j):
+                dy, dstacked = carry
+                i = g * group + j
+                x_in = _load(jax.lax.dynamic_index_in_dim(inner, j, keepdims=False), dtype)
+                _, vjp = jax.vjp(lambda st, x: apply(st, x, consts), layer(stacked, i), x_in)
+                dst, dx = vjp(dy)
+                dstacked = jax.tree.map(
+                    lambda acc, d: jax.lax.dynamic_update_index_in_dim(acc, d, i, 0),
+                    dstacked, dst)
+                return (dx, dstacked), None
+
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(group), reverse=True)
+            return carry, None
+
+        zeros = jax.tree.map(jnp.zeros_like, stacked)
+        (dx, dstacked), _ = jax.lax.scan(group_bwd, (dy, zeros), jnp.arange(n // group),
+                                         reverse=True)
         return dstacked, dx, jax.tree.map(lambda _: None, consts)
 
     stack.defvjp(fwd, bwd)
@@ -244,6 +300,7 @@ class Decoder(nnx.Module):
         cache: AttentionCache | None = None,
         remat: bool = False,
         token_chunk: int = 0,
+        remat_group: int = 1,
     ) -> tuple[Float[Array, "B T D"], AttentionCache | None]:
         """Final hidden states (after the final norm, compute dtype), without the vocab head.
 
@@ -252,7 +309,8 @@ class Decoder(nnx.Module):
         block in the backward (only block inputs are kept between forward and backward);
         `token_chunk` > 0 runs each block's attention queries and MLP that many positions at a
         time (`attend_query_chunked`, `map_time_chunks`: no T×T scores per head, no T×mlp_dim
-        intermediates).
+        intermediates); `remat_group` > 1 with scanned layers keeps only every that-many-th
+        block input (`scan_remat`).
         """
         cd = DTYPES[self.cfg.compute_dtype]
         x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(cd)
@@ -275,7 +333,7 @@ class Decoder(nnx.Module):
 
             consts = (positions_bt, mask_btt)
             if remat:
-                x_btd = scan_remat(apply, stacked, x_btd, consts)
+                x_btd = scan_remat(apply, stacked, x_btd, consts, remat_group)
             else:
                 x_btd, _ = jax.lax.scan(lambda x, st: (apply(st, x, consts), None), x_btd,
                                         stacked)

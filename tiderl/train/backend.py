@@ -171,7 +171,8 @@ class TrainerBackend:
         self.mode: Literal["decoupled", "colocated"] = (
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
-               self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk)
+               self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk,
+               self.cfg.remat_group)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
@@ -182,7 +183,8 @@ class TrainerBackend:
             return (tx, sh, ref_sh, make_kernels(
                 self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
                 ref_param_shardings=ref_sh, head_chunk=self.cfg.head_chunk,
-                remat=self.cfg.remat, token_chunk=self.cfg.token_chunk))
+                remat=self.cfg.remat, token_chunk=self.cfg.token_chunk,
+                remat_group=self.cfg.remat_group))
 
         cached = key in _KERNELS
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)

@@ -71,6 +71,12 @@ class TrainerConfig:
     """Recompute each decoder block in the backward (`nnx.remat`): only block inputs are kept
     between the Actor forward and backward. Needs a policy with `hidden_states` (built-in).
     With model.scan_layers the backward recomputes one block at a time."""
+    remat_group: int = 1
+    """With trainer.remat and model.scan_layers: keep only every that-many-th block input
+    between forward and backward; the backward recomputes each group's other inputs (one more
+    forward of the blocks, about a quarter more step compute) for n_layers/group + group
+    saved inputs instead of n_layers (e.g. 6 for 24 layers: 10 instead of 24). Must divide
+    model.n_layers. 1 keeps every block's input. Exact: the same per-block arithmetic."""
     token_chunk: int = 0
     """Positions per chunk of each decoder block in training (built-in decoder): attention
     takes that many queries at a time (`layers.attend_query_chunked`) and the MLP that many
@@ -127,7 +133,7 @@ class TrainerConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be >= 0 (0: unchunked), "
                                   f"got {getattr(self, name)}")
-        for name in ("decay_steps", "row_len", "rows_per_rank", "max_aggregate"):
+        for name in ("decay_steps", "row_len", "rows_per_rank", "max_aggregate", "remat_group"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'trainer.{name}' must be positive, got "
                                   f"{getattr(self, name)}")

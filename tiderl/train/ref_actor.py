@@ -108,7 +108,7 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool,
-             token_chunk: int = 0):
+             token_chunk: int = 0, remat_group: int = 1):
     """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
     head when `head_chunk` > 0, `remat` or `token_chunk` > 0 asks for it and the policy
     has them (the built-in Decoder), else through its logits (custom policies)."""
@@ -122,6 +122,8 @@ def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat:
                              "hidden_states(..., remat=) method; set trainer.remat=false")
         if has_hidden and (head_chunk > 0 or remat or token_chunk > 0):
             kw = {"token_chunk": token_chunk} if token_chunk > 0 else {}
+            if remat and remat_group > 1:
+                kw["remat_group"] = remat_group
             h_btd, _ = model.hidden_states(tokens, batch["positions_bt"],
                                            batch["segment_ids_bt"], remat=remat, **kw)
             if head_chunk > 0:
@@ -153,7 +155,8 @@ def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int
 
 
 def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True, *,
-                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0):
+                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0,
+                 remat_group: int = 1):
     """params, batch -> (per-token logprobs, per-token entropies): what the Actor differentiates.
 
     Without an entropy bonus (`entropy_grad=False`) the entropies are only a metric: behind
@@ -161,9 +164,10 @@ def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool 
     head in token chunks with a recomputing backward (no B×T×V residual at all); `remat`
     recomputes each decoder block in the backward (policies with `hidden_states` only);
     `token_chunk` > 0 attends that many queries at a time, each chunk's scores recomputed
-    in the backward (built-in decoder)."""
+    in the backward (built-in decoder); `remat_group` > 1 with scanned layers keeps only every
+    that-many-th block input (`decoder.scan_remat`)."""
     _check_temperature(temperature)
-    forward = _forward(graphdef, temperature, head_chunk, remat, token_chunk)
+    forward = _forward(graphdef, temperature, head_chunk, remat, token_chunk, remat_group)
 
     def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
         logp, ent = forward(params, batch)
@@ -268,14 +272,17 @@ class Kernels:
 def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
                  temperature: float, sh: TrainShardings,
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
-                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0) -> Kernels:
+                 head_chunk: int = 0, remat: bool = False, token_chunk: int = 0,
+                 remat_group: int = 1) -> Kernels:
     """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate).
 
-    `head_chunk`/`remat`/`token_chunk`: the trainer keys of those names (`make_outputs`)."""
+    `head_chunk`/`remat`/`token_chunk`/`remat_group`: the trainer keys of those names
+    (`make_outputs`)."""
     logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk,
                              token_chunk=token_chunk)
     outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
-                           head_chunk=head_chunk, remat=remat, token_chunk=token_chunk)
+                           head_chunk=head_chunk, remat=remat, token_chunk=token_chunk,
+                           remat_group=remat_group)
     traces: dict[str, int] = {}
 
     def count(name: str) -> None:
