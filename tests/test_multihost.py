@@ -271,7 +271,10 @@ def test_cells_move_across_processes_and_the_update_stays_exact(runs):
     assert not summary["dropped"] and not summary["failed_tasks"], summary
     ro = summary["rollout"]
     assert ro["tasks_live"] == 0 and ro["tasks_submitted"] == ro["tasks_ended"]
-    assert ro["end_reasons"]["done"] == STEPS * 2 * 4  # steps × groups × group size
+    # Every task ended done, except those of groups started after the last step (cancelled
+    # when the run stopped).
+    assert ro["end_reasons"]["done"] >= STEPS * 2 * 4  # steps × groups × group size
+    assert set(ro["end_reasons"]) <= {"done", "cancelled"}, ro["end_reasons"]
     # The scripted changes, one record each with its costs, as on one process.
     assert [tuple(r["cells"][k] for k in ("rollout", "trainer")) for r in changes] == [
         (list(c for c, x in enumerate(v) if x == "rollout"),

@@ -243,6 +243,8 @@ class WorldCellRuntime:
         if change.ref_mode == "decoupled" or change.after.count("ref"):
             raise ValueError("a decoupled Ref across processes is not supported; keep "
                              "controller.elastic.max_ref_cells=0 on several hosts")
+        if why := self.cells.problem(change.after):  # refused before any process moves
+            raise ValueError(f"role change refused: {why}")
         t0 = time.perf_counter()
         tr = self.trainer
         joining = [r for c in change.joining_rollout() for r in change.rank_ids(c)]
@@ -252,7 +254,7 @@ class WorldCellRuntime:
         self.epoch += 1
         trees, cost = await asyncio.wrap_future(tr.spmd_call(
             "remesh", cells=list(change.after.roles), epoch=self.epoch,
-            version=change.version))
+            version=change.version, joining=joining))
         self.batcher.n_ranks = dp_size(tr.actor_mesh)
         self.batcher.order = "colocated"
         cost["trainer_data"] = int(tr.actor_mesh.shape["data"])

@@ -166,14 +166,16 @@ class SpmdTrainer(TrainerBackend):
         from tiderl.worldcells import move_replicated
 
         moved, counts = move_replicated(tree, shardings, process=self.world.process_id)
-        self._move_counts = {k: self._move_counts.get(k, 0) + v for k, v in counts.items()}
+        self._move_counts = counts  # the same for the state and the Ref (one mesh pair)
         return moved
 
     _move_counts: dict = {}
 
-    def op_remesh(self, cells: list[str], epoch: int, version: int) -> tuple[dict, dict]:
-        """A role change (module docstring); returns this process's joining ranks' weights
-        (rank id → params in the rank's layout) and the change's costs."""
+    def op_remesh(self, cells: list[str], epoch: int, version: int,
+                  joining: list[int]) -> tuple[dict, dict]:
+        """A role change (module docstring) to the cell roles `cells`; returns the weights of
+        this process's ranks among `joining` (rank id → params in the rank's layout) and
+        the change's costs."""
         from tiderl.control.ers import CellMap
 
         if self.cells is None or self.make_syncer is None:
@@ -187,10 +189,8 @@ class SpmdTrainer(TrainerBackend):
         if actor != self.actor_mesh:
             cost.update(self.set_meshes(actor, None))
             cost.update(self._move_counts)
-        before = {c.index for c in self.roles.rollout()} if self.roles is not None else set()
         self.roles = self.cells.role_map(cm, epoch)
         self.syncer = self.make_syncer(self.roles)
-        joining = [c.index for c in self.roles.rollout() if c.index not in before]
         t0 = time.perf_counter()
         trees, _ = self.syncer.run(self.state["params"], only=joining)
         cost["join_sync_s"] = time.perf_counter() - t0
