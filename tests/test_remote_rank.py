@@ -24,8 +24,8 @@ from tiderl.serving.rank import RolloutRank
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                    mlp_dim=64, max_seq_len=128)
-ROLLOUT = RolloutConfig(num_pages=16, page_size=16, max_slots=8, max_context=64,
-                        max_action_tokens=4, decode_buckets=(8,), prefill_buckets=(16, 64))
+ROLLOUT = RolloutConfig(num_pages=8, page_size=16, max_slots=4, max_context=32,
+                        max_action_tokens=4, decode_buckets=(4,), prefill_buckets=(16,))
 
 
 @pytest.fixture(scope="module")
