@@ -355,3 +355,31 @@ def test_rollout_throttling_is_a_share_of_the_time_since_the_last_boundary():
     assert r.rwt_frac == pytest.approx(0.2) and not r.consumption_deficit
     r = buf.boundary(buf.end_step(buf.begin_step(2.0), []), 4.0, rwt_span=8.0, **kw)
     assert r.consumption_deficit and "rollout throttled 4.00s = 50%" in r.deficit_reason
+
+
+def test_scripted_planner_takes_the_named_roles_at_their_steps_only():
+    from tiderl.configlib import ConfigError
+    from tiderl.control.ers import ScriptedPlanner, make_planner
+
+    cfg = ERSConfig(script=("1:rollout,trainer,trainer,trainer,ref",
+                            "3:rollout,rollout,trainer,trainer,rollout"))
+    planner = make_planner(True, cfg, ra2p_live=False)
+    assert isinstance(planner, ScriptedPlanner)
+    planner.check(START)
+    assert planner.plan(Signals(step=0, cold_start=True), START).cells == START
+    p1 = planner.plan(Signals(step=1, **CON), START)
+    assert p1.rule == "scripted" and [(m.cell, m.src, m.dst) for m in p1.moves] == [
+        (1, "rollout", "trainer")] and p1.ref_mode == "decoupled"
+    assert planner.plan(Signals(step=2, **GEN), p1.cells).cells == p1.cells  # kept
+    p3 = planner.plan(Signals(step=3), p1.cells)
+    assert p3.cells.roles == ("rollout", "rollout", "trainer", "trainer", "rollout")
+    assert p3.ref_mode == "colocated"
+    with pytest.raises(ConfigError, match="names 4 cells"):
+        ScriptedPlanner(["1:rollout,trainer,trainer,trainer"]).check(START)
+    with pytest.raises(ConfigError, match="Ref cell"):
+        planner.check(START, ref_ok=False)
+    for bad in ("rollout,trainer", "x:rollout", "1:rollout,gpu", "1:rollout,rollout"):
+        with pytest.raises(ConfigError, match="controller.elastic.script"):
+            ERSConfig(script=(bad,))
+    with pytest.raises(ConfigError, match="twice"):
+        ERSConfig(script=("1:rollout,trainer", "1:trainer,rollout"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tiderl.cluster import CellLayout
-from tiderl.control.ers import CellMap, RoleChange, moves_between
+from tiderl.control.ers import CellMap, ERSConfig, RoleChange, moves_between
 from tiderl.elastic import CellRuntime, CompileWatch
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
@@ -173,3 +173,43 @@ def test_set_meshes_refuses_to_change_the_cell_shape(policy):
     out = be.set_meshes(make_mesh(devs[:4], data=2, fsdp=2))
     assert set(out) == {"kernels", "move_s"} and dp_size(be.actor_mesh) == 4
     be.close()
+
+
+def test_world_cells_keep_a_trainer_cell_on_every_process():
+    """The cells of two 4-device hosts (as `tests/test_multihost.py` runs them): the trainer
+    mesh groups its cells by process, role maps number rollout ranks by cell, and the planner
+    never takes a process's last trainer cell."""
+    from tiderl.cells import host_plan
+    from tiderl.cluster import cell_layout
+    from tiderl.control.ers import ERSPlanner, Signals
+    from tiderl.worldcells import KeepTrainerPerProcess, WorldCells
+
+    plan = host_plan(n_processes=2, local_devices=4, ranks=4, devices_per_rank=1,
+                     actor_devices=4, ref_devices=0, fsdp=2, model_parallel=1)
+    cells = WorldCells(cell_layout(plan, 2), jax.devices(), local_devices=4, fsdp=2,
+                       model_parallel=1)
+    start = cells.initial
+    assert start.roles == ("rollout", "rollout", "trainer", "trainer")
+    assert [cells.process(c) for c in range(4)] == [0, 1, 0, 1]
+    joined = CellMap(("rollout", "trainer", "trainer", "trainer"))
+    mesh = cells.actor_mesh(joined)  # process 0's cell first, then process 1's two
+    assert [[d.id for d in mesh.devices[i].flat] for i in range(3)] == [
+        [jax.devices()[i].id for i in ids] for ids in ((2, 3), (4, 5), (6, 7))]
+    rm = cells.role_map(start, epoch=3)
+    assert rm.epoch == 3 and [(c.process, c.local, c.index) for c in rm.rollout()] == [
+        (0, (0,), 0), (0, (1,), 1), (1, (0,), 2), (1, (1,), 3)]
+    assert cells.problem(joined) is None
+    assert "process(es) [1]" in cells.problem(CellMap(("rollout", "rollout", "trainer",
+                                                       "rollout")))
+    assert "Ref" in cells.problem(CellMap(("ref", "rollout", "trainer", "trainer")))
+    assert cells.last_trainer_cells(start) == {2, 3}
+    assert cells.last_trainer_cells(joined) == {2}
+    # A generation deficit would send a trainer cell to rollout: with one per process, none
+    # may go; with process 1 holding two, one of those goes.
+    planner = KeepTrainerPerProcess(ERSPlanner(ERSConfig(patience=1, cooldown=0)), cells)
+    planner.plan(Signals(step=0), start)
+    gen = dict(generation_deficit=True, deficit_reason="short")
+    assert planner.plan(Signals(step=1, **gen), start).cells == start
+    planner.plan(Signals(step=2), joined)
+    after = planner.plan(Signals(step=3, **gen), joined).cells
+    assert after.count("trainer") == 2 and cells.problem(after) is None

@@ -159,6 +159,22 @@ class RemoteRank:
             return {}
         return {int(k): wire.handoff_from_wire(v) for k, v in handed["handoffs"].items()}
 
+    async def drain(self) -> dict:
+        """Leaves rollout (ERS), as `RolloutRank.drain`: the remote turns in flight finish
+        (their results arrive first), then the agent closes the rank and hands back its
+        tasks."""
+        if self._closed:
+            return {}
+        if self._started is None:
+            self._closed = True
+            return {}
+        handed = await self._call({"op": "drain"})
+        self._closed = True
+        for fut in self._turns.values():
+            if not fut.done():
+                fut.cancel()
+        return {int(k): wire.handoff_from_wire(v) for k, v in handed["handoffs"].items()}
+
     # -- the RolloutRank API --------------------------------------------------------------------
     @property
     def version(self) -> int:
@@ -270,10 +286,17 @@ class RemoteRank:
 class HostAgent:
     """A follower's rollout ranks, served to the controller over the rank stream."""
 
-    def __init__(self, world: Any, ranks: Sequence[RolloutRank]):
+    def __init__(self, world: Any, ranks: Sequence[RolloutRank], make_rank: Any = None):
         self.world = world
         self.channel = world.channel()
         self.ranks = {r.rank_id: r for r in ranks}
+        self.make_rank = make_rank
+        """(rank id, weights in its layout, version) -> a RolloutRank, not started: the ranks
+        of cells joining rollout (`join`)."""
+        self._hellos: set[int] = set()
+        """Ranks the controller greeted before they were started here (answered once live)."""
+        self._not_started: dict[int, str] = {}
+        """Ranks whose start failed here: their hello is answered as failed."""
         self._done = asyncio.Event()
         self._out: _Sender | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -290,7 +313,7 @@ class HostAgent:
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
-        for r in self.ranks.values():
+        for r in list(self.ranks.values()):
             if not r._closed:  # the controller went away without closing it
                 await r.close()
         self._out.close()
@@ -306,9 +329,43 @@ class HostAgent:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._swap_all, trees, version, stats)
 
+    def join(self, trees: dict, version: int) -> None:
+        """From the control thread after a role change: start a rank on each tree (cells
+        joining rollout); the controller learns each is live from its "hello"."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(
+            lambda: [self._spawn(self._start(rid, tree, version)) for rid, tree in trees.items()])
+
+    async def _start(self, rid: int, tree: Any, version: int) -> None:
+        if self.make_rank is None:
+            raise RuntimeError("this host agent cannot start ranks (no make_rank)")
+        try:
+            rank = await asyncio.to_thread(self.make_rank, rid, tree, version)
+            await rank.start()
+        except Exception as e:  # its slot stays empty; the others serve on
+            log.exception("rollout rank %d failed to start on process %d", rid,
+                          self.world.process_id)
+            self._not_started[rid] = repr(e)
+            if rid in self._hellos:
+                self._hellos.discard(rid)
+                self._refuse(rid)
+            return
+        self._not_started.pop(rid, None)
+        self.ranks[rid] = rank
+        if rid in self._hellos:
+            self._hellos.discard(rid)
+            self._reply(rank, {"op": "hello"})
+
+    def _refuse(self, rid: int) -> None:
+        """Answers the controller's hello for a rank that could not start here (failed)."""
+        assert self._out is not None
+        self._out.send({"op": "hello", "rank": rid, "failed": self._not_started[rid],
+                        "stats": wire.stats_to_wire(RankStats()), "kv": {}})
+
     def _swap_all(self, trees: dict, version: int, stats: dict) -> None:
         for rid, tree in trees.items():
-            self._spawn(self._swap(rid, tree, version, stats.get(rid)))
+            if rid in self.ranks:  # not a rank that failed to start
+                self._spawn(self._swap(rid, tree, version, stats.get(rid)))
 
     async def _swap(self, rid: int, tree: Any, version: int, stats: dict | None) -> None:
         rank = self.ranks[rid]
@@ -328,9 +385,13 @@ class HostAgent:
 
     def _handle(self, src: int, msg: dict) -> None:
         rank = self.ranks.get(msg.get("rank", -1))
-        if rank is None:
-            return
         op = msg["op"]
+        if rank is None:
+            if op == "hello" and msg["rank"] in self._not_started:
+                self._refuse(msg["rank"])
+            elif op == "hello":  # a rank joining rollout here, still starting (`join`)
+                self._hellos.add(msg["rank"])
+            return
         if op == "hello":
             self._reply(rank, {"op": "hello"})
         elif op == "turn":
@@ -343,7 +404,7 @@ class HostAgent:
             rank.finish(msg["task"])
         elif op == "release":
             self._spawn(self._release(rank, msg))
-        elif op == "close":
+        elif op in ("close", "drain"):
             self._spawn(self._close(rank, msg))
 
     def _turn(self, rank: RolloutRank, msg: dict) -> None:
@@ -378,9 +439,12 @@ class HostAgent:
         self._reply(rank, {"op": "reply", "req": msg["req"], "handoff": wire.handoff_to_wire(h)})
 
     async def _close(self, rank: RolloutRank, msg: dict) -> None:
-        handed = await rank.close()
+        # "drain" (a cell leaving rollout): the turns in flight finish first (their results
+        # go out before this reply: one ordered stream); "close": the run is over.
+        handed = await (rank.drain() if msg["op"] == "drain" else rank.close())
         self._reply(rank, {"op": "reply", "req": msg["req"],
                            "handoffs": {str(k): wire.handoff_to_wire(h)
                                         for k, h in handed.items()}})
-        if all(r._closed for r in self.ranks.values()):
-            self._done.set()
+        if self.ranks.get(rank.rank_id) is rank:
+            # Its devices may join the trainer; a later rank on this cell is a new object.
+            del self.ranks[rank.rank_id]

@@ -15,6 +15,10 @@
   event loop and the trainer's plan, replayed unit by unit on one control thread, until process
   0 says stop.
 
+With elastic scaling on, `LeaderSite.elastic` gives the job the role-change hook across
+processes (`tiderl.worldcells.WorldCellRuntime`): each change is a `remesh` plan unit; a
+follower's agent starts the ranks of its cells joining rollout and drains those leaving.
+
 The contract that keeps the world in step: every JAX call in `run_job` that spans processes,
 before the controller starts, has its twin in `FollowerSite.prologue`, in the same order
 (build the policy, the trainer, the checkpointer and its restore, the first weight sync). After
@@ -101,16 +105,62 @@ def _sync_plan(cfg: RunConfig, world: World, trainer: Any, meshes: dict, roles: 
                     weight_source=cfg.distributed.weight_source, barrier=world.barrier)
 
 
-def _own_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, rcfg: Any, trees: dict) -> dict:
-    """This process's ranks (global ids) on the weights the first sync put in their layout."""
+def _new_rank(cfg: RunConfig, graphdef: Any, rcfg: Any, rank_id: int, tree: Any,
+              version: int) -> Any:
+    """A rollout rank (not started) on weights a sync put in its layout."""
     from tiderl.serving.engine import Engine
     from tiderl.serving.rank import RolloutRank
 
-    return {r: RolloutRank(r, Engine(graphdef, tree, cfg.model, rcfg, seed=cfg.seed,
-                                     version=trainer.version),
-                           max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
-                           share_prefixes=rcfg.share_prefixes)
+    return RolloutRank(rank_id, Engine(graphdef, tree, cfg.model, rcfg, seed=cfg.seed,
+                                       version=version),
+                       max_prefills_per_step=min(rcfg.prefill_batch, rcfg.max_slots),
+                       share_prefixes=rcfg.share_prefixes)
+
+
+def _own_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, rcfg: Any, trees: dict) -> dict:
+    """This process's ranks (global ids) on the weights the first sync put in their layout."""
+    return {r: _new_rank(cfg, graphdef, rcfg, r, tree, trainer.version)
             for r, tree in sorted(trees.items())}
+
+
+def world_cells(cfg: RunConfig, plan: Any, world: World) -> Any:
+    """The world's cells for elastic scaling (`tiderl.worldcells`), or None (with the reason
+    logged) when the roles are not whole cells inside each process."""
+    import jax
+
+    from tiderl.cluster import cell_layout
+    from tiderl.worldcells import WorldCells
+
+    t = cfg.trainer
+    if cfg.rollout.devices_per_rank != 1 or plan.ref:
+        return None
+    try:
+        layout = cell_layout(plan, t.fsdp * t.model_parallel)
+        return WorldCells(layout, jax.devices(), local_devices=jax.local_device_count(),
+                          fsdp=t.fsdp, model_parallel=t.model_parallel)
+    except (ConfigError, ValueError) as e:
+        log.info("no cells across processes: %s", e)
+        return None
+
+
+def _bind_cells(cfg: RunConfig, world: World, trainer: Any, cells: Any) -> None:
+    """Lets the trainer's `remesh` unit rebuild the sync plan for each new role map."""
+    from tiderl.weightsync import SyncPlan
+
+    trainer.cells = cells
+    if cells is None:
+        return
+
+    def make_syncer(rm: RoleMap) -> SyncPlan:
+        ranks = rm.rollout()
+        return SyncPlan(process=world.process_id, size=world.size,
+                        rank_meshes=[cells.rank_mesh(c) for c in ranks],
+                        rank_process=[c.process for c in ranks],
+                        rank_ids=[c.index for c in ranks], trainer_mesh=trainer.actor_mesh,
+                        abstract=trainer._abstract, weight_source=cfg.distributed.weight_source,
+                        barrier=world.barrier, tag=f"e{rm.epoch}/")
+
+    trainer.make_syncer = make_syncer
 
 
 class LeaderSite(LocalSite):
@@ -121,6 +171,9 @@ class LeaderSite(LocalSite):
         self.trainer_obj: Any = None
         self.router = Router(world)
         self.remote: list[RemoteRank] = []
+        self.live: Any = None
+        """() -> the ranks a sync reaches (set by the job when cells move; default: the
+        ranks this site started with)."""
 
     async def ready(self) -> None:
         run_dir = Path(self.cfg.run_dir)
@@ -166,16 +219,41 @@ class LeaderSite(LocalSite):
         async def sync_weights(_token: Any, version: int) -> dict:
             trees, stats = await asyncio.wrap_future(trainer.spmd_call(
                 "sync", version=version, roles=trainer.roles.to_wire()))
+            now = list(self.live()) if self.live is not None else ranks
             acks = await asyncio.gather(*(r.update_weights(trees.get(r.rank_id), version)
-                                          for r in ranks))
+                                          for r in now))
             total = SyncStats()
-            for r, ack in zip(ranks, acks, strict=True):
+            for r, ack in zip(now, acks, strict=True):
                 part = stats.get(r.rank_id) if r.rank_id in trees else ack
                 if part:
                     total.add(SyncStats(**part))
             return total.metrics()
 
         return ranks, sync_weights
+
+    def elastic(self, cfg: RunConfig, plan: Any, trainer: Any, batcher: Any, graphdef: Any,
+                rcfg: Any) -> Any:
+        """The role-change hook across processes (`tiderl.worldcells.WorldCellRuntime`), or
+        None when the roles are not whole cells. Every process binds the same cells (the
+        followers in `prologue`)."""
+        from tiderl.worldcells import WorldCellRuntime
+
+        cells = world_cells(cfg, plan, self.world)
+        _bind_cells(cfg, self.world, trainer, cells)
+        if cells is None:
+            return None
+
+        async def make_rank(rank_id: int, tree: Any, version: int) -> Any:
+            rank = await asyncio.to_thread(_new_rank, cfg, graphdef, rcfg, rank_id, tree,
+                                           version)
+            await rank.start()
+            return rank
+
+        def remote_rank(rank_id: int, process: int) -> RemoteRank:
+            return RemoteRank(rank_id, process, self.router)
+
+        return WorldCellRuntime(cells, trainer=trainer, batcher=batcher, make_rank=make_rank,
+                                remote_rank=remote_rank)
 
     def checkpoint(self, trainer: Any, ckpt: Any) -> Any:
         trainer.ckpt = ckpt
@@ -218,8 +296,9 @@ class FollowerSite(LocalSite):
         world.hint = (f"the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are intact: "
                       f"restart every process with --resume {cfg.run_dir}")
         trainer, ckpt, ranks = self.prologue(resume)
-        agent = HostAgent(world, list(ranks.values()))
+        agent = HostAgent(world, list(ranks.values()), make_rank=self._make_rank)
         trainer.on_synced = agent.weights
+        trainer.on_joined = agent.join
         out: dict[str, str] = {}
 
         def control() -> None:
@@ -273,6 +352,11 @@ class FollowerSite(LocalSite):
         trainer.syncer = _sync_plan(cfg, self.world, trainer, meshes, roles)
         trees, _ = trainer.syncer.run(trainer.state["params"])
         ranks = _own_ranks(cfg, trainer, graphdef, rcfg, trees)
+        # The cells process 0 moves when elastic scaling is on (LeaderSite.elastic); unused
+        # otherwise (no remesh unit arrives).
+        _bind_cells(cfg, self.world, trainer, world_cells(cfg, plan, self.world))
+        self._make_rank = lambda rid, tree, version: _new_rank(cfg, graphdef, rcfg, rid, tree,
+                                                               version)
         log.info("process %d: ranks here %s", self.world.process_id, sorted(ranks))
         return trainer, ckpt, ranks
 

@@ -19,7 +19,7 @@ from tiderl.config import RunConfig
 from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
-from tiderl.control.ers import initial_cells, make_planner
+from tiderl.control.ers import CellMap, initial_cells, make_planner
 from tiderl.control.metrics import MetricsSink
 from tiderl.control.progress import starvation_advice
 from tiderl.control.samples import SampleWriter
@@ -221,18 +221,13 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     batcher = MicroBatcher(cfg, dp_size(meshes["actor"]), order)
     colocated = bool({d for r in plan.rollout for d in r} & set(plan.actor))
     ers_on, why_off = cfg.ers_enabled(colocated=colocated)
-    if site.world.size > 1 and ers_on:  # cells move inside one process's devices only
-        if cfg.controller.ers == "on":
-            raise ConfigError(f"config key 'controller.ers'='on' with {site.world.size} "
-                              "processes: elastic scaling moves cells within one process; "
-                              "set controller.ers=off (or auto) for a multi-host run")
-        ers_on, why_off = False, f"{site.world.size} processes"
-    runtime = None if colocated or site.world.size > 1 else cells_for(
+    multi = site.world.size > 1
+    runtime = None if colocated or multi else cells_for(
         cfg, plan, devices, trainer=trainer, batcher=batcher, make_rank=make_rank)
-    if ers_on and runtime is None:  # nothing to move (the checks above name why)
+    if ers_on and runtime is None and not multi:  # nothing to move (the checks above name why)
         ers_on, why_off = False, "no cells"
-    if not ers_on:
-        log.info("elastic scaling off: %s", why_off)
+    apply_roles = runtime.apply_roles if runtime is not None else None
+    world_rt = None  # cells across processes (tiderl.worldcells), set below
     pending_start: list[Any] = []  # ranks started inside the try below (closed by its finally)
     if runtime is not None:
         # Cells: one rank slot per device any cell may serve; slots no rank serves yet are
@@ -254,6 +249,32 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
         # the ranks).
         slots, pending_start = list(site_ranks), list(site_ranks)
         cells, per_cell = initial_cells([("rollout", len(slots)), ("trainer", 1)]), 1
+        world_rt = site.elastic(cfg, plan, trainer, batcher, trainer.serving_graphdef,
+                                rcfg) if multi and ers_on else None
+        if multi and ers_on and world_rt is None:
+            if cfg.controller.ers == "on":
+                raise ConfigError(
+                    f"config key 'controller.ers'='on' on {site.world.size} processes needs "
+                    "whole cells on every host (rollout.devices_per_rank=1, no trainer."
+                    "ref_devices, each host's rollout ranks and trainer devices multiples of "
+                    "trainer.fsdp × trainer.model_parallel); fix those or set controller.ers=off")
+            ers_on, why_off = False, "no cells on every host"
+        if world_rt is not None:
+            # Cells across processes (tiderl.worldcells): a slot per rank id any cell may
+            # serve, the site's ranks (own and remote) in theirs.
+            cells, per_cell = world_rt.initial, world_rt.cells.layout.ranks_per_cell
+            slots = [None] * (len(cells.roles) * per_cell)
+            for r in site_ranks:
+                slots[r.rank_id] = r
+            want = [c * per_cell + j for c in cells.cells("rollout") for j in range(per_cell)]
+            if sorted(r.rank_id for r in site_ranks) != want:
+                raise RuntimeError(f"rollout ranks {[r.rank_id for r in site_ranks]} do not "
+                                   f"match the cells' rank slots {want}")
+            site.live = lambda: [r for r in (manager.ranks if manager is not None else ())
+                                 if r is not None and r.live]
+            apply_roles = world_rt.apply_roles
+    if not ers_on:
+        log.info("elastic scaling off: %s", why_off)
     ranks = [r for r in slots if r is not None]
     log.info("starting: trainer and %d rollout rank(s) ready (%.1fs); the first turns and the "
              "first step compile", len(ranks), time.monotonic() - t0)
@@ -302,10 +323,23 @@ async def run_job(cfg: RunConfig, *, resume: bool = False,
     from tiderl.elastic import CompileWatch
 
     hooks = Hooks(sync_weights=sync_weights, make_microbatches=batcher, checkpoint=checkpoint,
-                  apply_roles=runtime.apply_roles if runtime is not None else None,
-                  compile_stats=CompileWatch.stats)
-    planner = make_planner(ers_on, cfg.controller.elastic,
+                  apply_roles=apply_roles, compile_stats=CompileWatch.stats)
+    elastic = cfg.controller.elastic
+    if multi:  # a decoupled Ref would have to reshard across processes: never plan one
+        elastic = dataclasses.replace(elastic, max_ref_cells=0)
+    planner = make_planner(ers_on, elastic,
                            ra2p_live=cfg.controller.mode == "tiderl" and cfg.trainer.mode == "auto")
+    if ers_on and hasattr(planner, "check"):  # a scripted planner: one role per cell
+        planner.check(cells, ref_ok=not multi)
+        for step, roles in planner.steps.items():
+            if world_rt is not None and (why := world_rt.cells.problem(CellMap(roles))):
+                raise ConfigError(f"config key 'controller.elastic.script' step {step}: "
+                                  f"{why}; on several processes every process keeps a "
+                                  "trainer cell")
+    if ers_on and world_rt is not None:
+        from tiderl.worldcells import KeepTrainerPerProcess
+
+        planner = KeepTrainerPerProcess(planner, world_rt.cells)
     buffer = ReadinessBuffer(groups_per_microbatch=cfg.controller.groups_per_microbatch,
                              max_staleness=cfg.controller.max_staleness,
                              min_ok_per_group=cfg.controller.min_ok_per_group,

@@ -159,8 +159,11 @@ class SyncPlan:
 
     def __init__(self, *, process: int, size: int, rank_meshes: list[Mesh], rank_process: list[int],
                  trainer_mesh: Mesh, abstract: Any, weight_source: str = "local",
-                 barrier: Any = None):
+                 barrier: Any = None, rank_ids: Sequence[int] | None = None, tag: str = ""):
         self.me, self.size = process, size
+        self.ids = list(rank_ids) if rank_ids is not None else list(range(len(rank_meshes)))
+        """The global id of each rank (its position in `rank_meshes` by default)."""
+        self.tag = tag
         self.abstract = abstract
         self.barrier = barrier
         self.targets = [rank_shardings(abstract, m) for m in rank_meshes]
@@ -198,26 +201,32 @@ class SyncPlan:
     def describe(self) -> str:
         kinds = ["in-process" if self.source[r] == q else f"from process {self.source[r]}"
                  for r, q in enumerate(self.rank_process)]
-        return ", ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
+        return ", ".join(f"rank {self.ids[r]}: {k}" for r, k in enumerate(kinds))
 
-    def run(self, params: Any) -> tuple[dict[int, Any], dict[int, SyncStats]]:
-        """New weights for this process's ranks (rank id → params) and per-rank stats."""
+    def run(self, params: Any, only: Sequence[int] | None = None
+            ) -> tuple[dict[int, Any], dict[int, SyncStats]]:
+        """New weights for this process's ranks (rank id → params) and per-rank stats;
+        `only`: just these rank ids (the ranks joining rollout at a role change)."""
+        want = set(self.ids) if only is None else set(only)
         replica = local_replica(params, self.me) if self.holds else None
         trees: dict[int, Any] = {}
         stats: dict[int, SyncStats] = {}
         for r in self.local:
-            (trees[r],), stats[r] = put_local(replica, [self.targets[r]])
-        for r, via, staging in self.cross:
+            if self.ids[r] in want:
+                (trees[r],), stats[r] = put_local(replica, [self.targets[r]])
+        cross = [x for x in self.cross if self.ids[x[0]] in want]
+        for r, via, staging in cross:
             sender = self.source[r] == self.me
             staged = None
             if sender:
-                staged = trees[via] if via is not None else jax.device_put(replica, staging)
+                staged = trees[via] if via in trees else jax.device_put(replica, staging)
             out, st = cross_put(staged, staging, self.targets[r], self.abstract,
                                 receiver=self.rank_process[r] == self.me)
             if self.rank_process[r] == self.me:
                 trees[r], stats[r] = out, st
-        if self.cross and self.barrier is not None:
+        if cross and self.barrier is not None:
             # The senders' staged buffers stay referenced until every receiver has its copy.
-            self.barrier(f"sync/{self._syncs}")
+            self.barrier(f"sync/{self.tag}{self._syncs}")
         self._syncs += 1
-        return trees, stats
+        return ({self.ids[r]: t for r, t in trees.items()},
+                {self.ids[r]: st for r, st in stats.items()})

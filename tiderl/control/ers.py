@@ -54,6 +54,9 @@ any object with its deficit fields); `Signals(...)` can also be filled by hand. 
 trained per second of its own compute in the last step) lets the planner size a move; without
 it every deficit moves one cell.
 
+`ScriptedPlanner` (`controller.elastic.script`) replaces the rules by a fixed sequence of
+role maps, one per named boundary, for tests and for replaying a trace.
+
 Rules of `ERSPlanner` (each plan carries its reason):
 
 1. Cold start (before any rollout): lend rollout what an empty buffer leaves idle — every Ref
@@ -132,8 +135,14 @@ class ERSConfig:
     """0: no upper bound."""
     max_ref_cells: int = 1
     """At most this many cells hold a decoupled Ref (0: the Ref always shares the Actor's)."""
+    script: tuple[str, ...] = ()
+    """A fixed role sequence instead of the readiness rules (`ScriptedPlanner`; for tests and
+    for replaying a trace): entries 'STEP:ROLE,ROLE,...', the role of every cell (rollout,
+    trainer or ref, in cell order) to take at the boundary after update STEP. Bounds,
+    patience and cooldown do not apply; the roles must keep a trainer cell."""
 
     def __post_init__(self):
+        script_steps(self.script)
         if self.tau <= 0:
             raise ConfigError(f"config key 'controller.elastic.tau'={self.tau} must be > 0 "
                               "(e.g. 0.5: half a step of head-of-line latency)")
@@ -204,7 +213,7 @@ class ScalingPlan:
     reason: str = "keep"
     rule: str = "keep"
     """keep | cold_start | cold_return | no_ref | eval | eval_return | consumption | generation |
-    ra2p"""
+    ra2p | scripted"""
     ref_mode: str = "colocated"
     """RA2P mode for the next step: decoupled (Ref on the ref cells) or colocated."""
 
@@ -585,13 +594,67 @@ class ERSPlanner:
                                  f"{len(lent)} lent cells return")
 
 
+def script_steps(script: Sequence[str]) -> dict[int, tuple[str, ...]]:
+    """`controller.elastic.script` parsed: boundary step → the roles of every cell."""
+    out: dict[int, tuple[str, ...]] = {}
+    for entry in script:
+        step, sep, roles = str(entry).partition(":")
+        cells = tuple(r.strip() for r in roles.split(",") if r.strip())
+        if not sep or not step.strip().isdigit() or not cells or any(r not in ROLES
+                                                                     for r in cells):
+            raise ConfigError(f"config key 'controller.elastic.script' entry {entry!r} is not "
+                              "'STEP:ROLE,ROLE,...' with roles from " + "/".join(ROLES) +
+                              " (e.g. '2:rollout,trainer,trainer,trainer')")
+        if "trainer" not in cells:
+            raise ConfigError(f"config key 'controller.elastic.script' entry {entry!r} leaves "
+                              "no trainer cell; keep at least one")
+        if int(step) in out:
+            raise ConfigError(f"config key 'controller.elastic.script' names step {step} twice")
+        out[int(step)] = cells
+    return out
+
+
+class ScriptedPlanner:
+    """Takes the roles `controller.elastic.script` names at its steps, and keeps them
+    otherwise (no cold start, no bounds, no hysteresis): a reproducible role sequence."""
+
+    def __init__(self, script: Sequence[str]):
+        self.steps = script_steps(script)
+
+    def check(self, cells: CellMap, *, ref_ok: bool = True) -> None:
+        """A ConfigError unless every scripted map has one role per cell of `cells` (and,
+        `ref_ok` False, no Ref cell)."""
+        for step, roles in self.steps.items():
+            if len(roles) != len(cells.roles):
+                raise ConfigError(
+                    f"config key 'controller.elastic.script' step {step} names {len(roles)} "
+                    f"cells; this run has {len(cells.roles)} ({','.join(cells.roles)})")
+            if not ref_ok and "ref" in roles:
+                raise ConfigError(
+                    f"config key 'controller.elastic.script' step {step} makes a Ref cell; "
+                    "a decoupled Ref is not supported on several processes (use rollout and "
+                    "trainer only)")
+
+    def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
+        roles = self.steps.get(signals.step) if not signals.cold_start else None
+        if roles is None or len(roles) != len(cells.roles):
+            return ScalingPlan(cells, ref_mode=_ref_mode(cells))
+        after = CellMap(roles)
+        return ScalingPlan(after, moves_between(cells, after), rule="scripted",
+                           reason=f"scripted (controller.elastic.script, step "
+                                  f"{signals.step})", ref_mode=_ref_mode(after))
+
+
 def _ref_mode(cells: CellMap) -> str:
     return "decoupled" if cells.count("ref") else "colocated"
 
 
 def make_planner(ers: bool, cfg: ERSConfig, *, ra2p_live: bool,
                  patience: int | None = None) -> Planner:
-    """ERS on: the readiness-aware planner. Off: the split stays (RA2P still live if asked)."""
+    """ERS on: the readiness-aware planner (or the scripted one, `controller.elastic.script`).
+    Off: the split stays (RA2P still live if asked)."""
+    if ers and cfg.script:
+        return ScriptedPlanner(cfg.script)
     if ers:
         return ERSPlanner(cfg)
     return KeepSplit(ra2p_live=ra2p_live, patience=patience or cfg.patience)

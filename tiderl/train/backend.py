@@ -226,9 +226,9 @@ class TrainerBackend:
         try:
             self.actor_mesh = actor_mesh
             cached = self._bind(ref_mesh)
-            state = jax.device_put(self.state, self.sh.state)
+            state = self._move_tree(self.state, self.sh.state)
             ref_params = (None if self.ref_params is None  # kl_coef=0: no Ref copy
-                          else jax.device_put(self.ref_params, self.ref_param_sh))
+                          else self._move_tree(self.ref_params, self.ref_param_sh))
             jax.block_until_ready((state, ref_params))
         except BaseException:
             # All or nothing: the state never left its old meshes, so keep their kernels.
@@ -240,6 +240,10 @@ class TrainerBackend:
         self.offload = self._decide_offload()
         self._reset_step()
         return {"kernels": "cached" if cached else "built", "move_s": time.perf_counter() - t0}
+
+    def _move_tree(self, tree: Any, shardings: Any) -> Any:
+        """`tree` into `shardings` (a set_meshes move); across processes, SpmdTrainer's."""
+        return jax.device_put(tree, shardings)
 
     # ------------------------------------------------------------------ contract, per call
     def put(self, mb: MicroBatch, role: Role) -> dict:

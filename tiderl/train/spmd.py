@@ -9,6 +9,9 @@ every other process runs exactly that unit on its own control thread (`follow`).
             puts only its own rows on its devices: `jax.make_array_from_process_local_data`)
     finish  normalise, clip, AdamW update (version + 1)
     sync    weights to the rollout ranks (`tiderl.weightsync`; the plan carries the role map)
+    remesh  an elastic role change (`tiderl.worldcells`): the Actor mesh over the new trainer
+            cells, the state moved there, the role map's next epoch, the sync plan for the new
+            rollout ranks and their first weights (ranks of cells joining rollout)
     save    an orbax checkpoint (every process writes its shards; multi-host save)
     stop    the end of the run
 
@@ -19,6 +22,7 @@ one): the leader's decisions arrive as data, and followers only replay them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +74,12 @@ class SpmdTrainer(TrainerBackend):
         self.on_synced: Callable[[dict, int, dict], None] | None = None
         """Follower side: hands each sync's rank weights to the host agent."""
         self.roles: RoleMap | None = None
+        self.cells: Any = None
+        """`tiderl.worldcells.WorldCells` (set by the site when cells can move)."""
+        self.make_syncer: Callable[[RoleMap], Any] | None = None
+        """Role map → the `SyncPlan` for its rollout ranks (set by the site)."""
+        self.on_joined: Callable[[dict, int], None] | None = None
+        """Follower side: hands the first weights of ranks joining rollout to the host agent."""
         super().__init__(*args, **kw)
 
     def _decide_offload(self) -> bool:
@@ -151,6 +161,42 @@ class SpmdTrainer(TrainerBackend):
         if self.on_synced is not None:
             self.on_synced(trees, version, wire_stats)
         return trees, wire_stats
+
+    def _move_tree(self, tree: Any, shardings: Any) -> Any:
+        from tiderl.worldcells import move_replicated
+
+        moved, counts = move_replicated(tree, shardings, process=self.world.process_id)
+        self._move_counts = counts  # the same for the state and the Ref (one mesh pair)
+        return moved
+
+    _move_counts: dict = {}
+
+    def op_remesh(self, cells: list[str], epoch: int, version: int,
+                  joining: list[int]) -> tuple[dict, dict]:
+        """A role change (module docstring) to the cell roles `cells`; returns the weights of
+        this process's ranks among `joining` (rank id → params in the rank's layout) and
+        the change's costs."""
+        from tiderl.control.ers import CellMap
+
+        if self.cells is None or self.make_syncer is None:
+            raise RuntimeError("a role change on a process without cells (controller.ers)")
+        cm = CellMap(tuple(cells))
+        if why := self.cells.problem(cm):
+            raise ValueError(f"role change to {cells} refused: {why}")
+        actor = self.cells.actor_mesh(cm)
+        cost: dict[str, Any] = {"move_s": 0.0, "kernels": "unchanged"}
+        self._move_counts = {}
+        if actor != self.actor_mesh:
+            cost.update(self.set_meshes(actor, None))
+            cost.update(self._move_counts)
+        self.roles = self.cells.role_map(cm, epoch)
+        self.syncer = self.make_syncer(self.roles)
+        t0 = time.perf_counter()
+        trees, _ = self.syncer.run(self.state["params"], only=joining)
+        cost["join_sync_s"] = time.perf_counter() - t0
+        if self.on_joined is not None:
+            self.on_joined(trees, version)
+        return trees, cost
 
     def op_save(self, data_state: Any) -> int:
         return self.ckpt.save(self, data_state=data_state)
