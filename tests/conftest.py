@@ -36,7 +36,7 @@ def pytest_sessionfinish(session, exitstatus):
 # workers take whole files (`--dist loadfile`) in collection order, so starting with the long
 # ones keeps one worker from running a long file alone at the end.
 _LONG_FILES = {
-    "test_train_memory.py": 330, "test_multihost.py": 190, "test_byo_tasks.py": 150,
+    "test_train_memory.py": 330, "test_multihost.py": 280, "test_byo_tasks.py": 150,
     "test_train_your_model.py": 140, "test_gpu_path.py": 130, "test_elastic.py": 100,
     "test_control_e2e.py": 90, "test_agents_run.py": 60, "test_train_checkpoint.py": 50,
     "test_serving_faults.py": 50, "test_job.py": 45, "test_launch.py": 40,
