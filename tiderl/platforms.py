@@ -52,7 +52,7 @@ CPU_MMAP_THRESHOLD = 1 << 20
 """Bytes from which glibc's malloc always maps a block on its own (`cpu_low_memory_malloc`)."""
 
 
-def cpu_low_memory_malloc() -> bool:
+def cpu_low_memory_malloc(*, trim: bool = True) -> bool:
     """Fixes glibc's mmap threshold at `CPU_MMAP_THRESHOLD` (and its trim threshold with it).
 
     XLA:CPU allocates its buffers with malloc. glibc raises its mmap threshold to the size of
@@ -60,17 +60,42 @@ def cpu_low_memory_malloc() -> bool:
     next ones of up to that size come from the heap, whose freed pages stay resident: the
     compiler's and earlier kernels' leftovers add to the backward's peak. With the threshold
     fixed every block of a MiB or more is mapped and unmapped on its own and its memory goes
-    back when freed. Returns False where the C library is not glibc (nothing changed)."""
+    back when freed.
+
+    The compiler's own working memory (LLVM's many small blocks, a few hundred MiB for a
+    24-layer backward) is freed into the heap, in pieces below the threshold, scattered over
+    the threads' arenas, where no trim threshold reaches it; the kernel it compiled then runs
+    beside those resident leftovers. So after every XLA compilation `malloc_trim(0)` hands
+    the free pages of every arena back (a jax.monitoring listener: compilations are rare, a
+    trim takes milliseconds; `trim=False` leaves that out). Returns False where the C library is not glibc (nothing
+    changed)."""
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
-    return bool(mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD)
-                and mallopt(m_trim_threshold, CPU_MMAP_THRESHOLD))
+    ok = bool(mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD)
+              and mallopt(m_trim_threshold, CPU_MMAP_THRESHOLD))
+    global _TRIM_LISTENING
+    if ok and trim and not _TRIM_LISTENING:
+        from jax import monitoring
+
+        def trim_after_compile(event: str, duration: float, **_: object) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                malloc_trim(0)
+                TRIMS[0] += 1
+
+        monitoring.register_event_duration_secs_listener(trim_after_compile)
+        _TRIM_LISTENING = True
+    return ok
+
+
+_TRIM_LISTENING = False
+TRIMS = [0]
+"""How many times `cpu_low_memory_malloc`'s listener trimmed the heap (one per compilation)."""
 
 
 @dataclasses.dataclass(frozen=True)
