@@ -16,12 +16,13 @@ device. Each variant runs in a fresh subprocess (ru_maxrss never decreases), one
    then either).
 
 Variants: `scan-*` stack the layers (model.scan_layers) with the rematerialising scan and
-128-token chunks (trainer.token_chunk); `*-g6-*` keep only every 6th layer input
-(trainer.remat_group=6: 4 + 6 saved inputs instead of 24); `unrolled-*` remat each block of an
-unrolled stack; `*-unchunked-*` use the whole-batch head (trainer.head_chunk=0), the others
-256-token chunks. Each child starts as launch does with trainer.remat on the CPU: XLA's
-memory-ordered scheduler and glibc's mmap threshold fixed (`--malloc default` leaves glibc's
-dynamic one, for comparison).
+128-token chunks (trainer.token_chunk; `*-a32-*` 32); `*-g6-*` keep only every 6th layer input
+(trainer.remat_group=6: 4 + 6 saved inputs instead of 24; `*-g4-*` every 4th: 6 + 4);
+`unrolled-*` remat each block of an unrolled stack; `*-unchunked-*` use the whole-batch head
+(trainer.head_chunk=0), the others 256-token chunks. Each child starts as launch does with
+trainer.remat on the CPU: XLA's memory-ordered scheduler, glibc's mmap threshold fixed and the
+heap trimmed after every compilation (`--malloc threshold` leaves out the trim, `--malloc
+default` both, for comparison).
 
 Reported per variant: bytes of params + optimizer state, the peak RSS sampled within each
 phase, and peak / (params + optimizer). A watchdog ends a child whose RSS passes
@@ -56,6 +57,10 @@ from pathlib import Path
 VARIANTS = {
     # name: trainer/model settings. `scan`: model.scan_layers; `attn`: trainer.token_chunk;
     # `group`: trainer.remat_group (1 when absent).
+    "scan-g4-a32-fp32": dict(head_chunk=256, remat=True, scan=True, attn=32,
+                             compute="float32", group=4),
+    "scan-g4-a32-unchunked-fp32": dict(head_chunk=0, remat=True, scan=True, attn=32,
+                                       compute="float32", group=4),
     "scan-g6-fp32": dict(head_chunk=256, remat=True, scan=True, attn=128, compute="float32",
                          group=6),
     "scan-fp32": dict(head_chunk=256, remat=True, scan=True, attn=128, compute="float32"),
@@ -68,7 +73,7 @@ VARIANTS = {
     "unrolled-fp32": dict(head_chunk=256, remat=True, scan=False, attn=0, compute="float32"),
     "unrolled-bf16c": dict(head_chunk=256, remat=True, scan=False, attn=0, compute="bfloat16"),
 }
-DEFAULT = "scan-g6-fp32,scan-g6-unchunked-fp32,scan-fp32"
+DEFAULT = "scan-g4-a32-fp32,scan-g4-a32-unchunked-fp32,scan-g6-fp32"
 
 
 def _rss_now() -> int:
@@ -147,10 +152,10 @@ def child(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    if args.malloc == "tuned":  # as launch does with trainer.remat on the CPU (tiderl.cluster)
+    if args.malloc != "default":  # as launch does with trainer.remat on the CPU (tiderl.cluster)
         from tiderl.platforms import cpu_low_memory_malloc
 
-        cpu_low_memory_malloc()
+        cpu_low_memory_malloc(trim=args.malloc == "tuned")
     from tiderl.models.policy import abstract_policy, init_policy, serving_config, serving_params
     from tiderl.models.sharding import make_mesh
     from tiderl.serving.config import RolloutConfig
@@ -294,10 +299,11 @@ def main() -> None:
     ap.add_argument("--concurrent-scheduler", action="store_true",
                     help="keep XLA:CPU's default concurrency-ordered scheduler (launch turns it "
                          "off with trainer.remat; --analyze follows XLA_FLAGS as set)")
-    ap.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
-                    help="tuned: glibc's mmap threshold fixed as launch does with trainer.remat "
-                         "on the CPU (tiderl.platforms.cpu_low_memory_malloc); default: glibc's "
-                         "own dynamic threshold")
+    ap.add_argument("--malloc", choices=("tuned", "threshold", "default"), default="tuned",
+                    help="tuned: as launch does with trainer.remat on the CPU "
+                         "(tiderl.platforms.cpu_low_memory_malloc: glibc's mmap threshold fixed "
+                         "and malloc_trim after every compilation); threshold: the fixed "
+                         "threshold alone; default: glibc's own dynamic threshold")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.analyze:
