@@ -173,9 +173,12 @@ class RolloutManager:
         wall = self._busy_wall = self._busy_wall * decay + dt
         sums, seen, share = self._busy_sum, self._busy_s, self.sched.engine_busy
         for i, b in enumerate(busy):
-            x = sums[i] * decay + max(0.0, b - seen[i])
+            x = sums[i] * decay  # >= 0, so adding nothing (+0.0) leaves it exactly as is
+            if b > seen[i]:
+                x += b - seen[i]
             sums[i], seen[i] = x, b
-            share[i] = min(1.0, x / wall)
+            v = x / wall
+            share[i] = v if v < 1.0 else 1.0
 
     def kick(self) -> None:
         """One scheduling round; applies its decisions."""
