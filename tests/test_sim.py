@@ -360,3 +360,62 @@ def test_shared_host_shares_its_capacity():
     assert SharedHost(capacity=2.0).capacity == 2.0
     with pytest.raises(ValueError, match="capacity"):
         SharedHost(capacity=0)
+
+
+# -- speed without a different schedule -----------------------------------------------------
+def _looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
+    """`run_virtual` on looptime's own loop (what `VirtualLoop` replaced)."""
+    import asyncio
+
+    import looptime
+
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=1)
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+def test_virtual_loop_keeps_looptimes_schedule(monkeypatch):
+    """The simulator's own loop gives the schedule looptime gives, to the microsecond, in fewer
+    loop iterations; a coroutine waiting on nothing is a clear deadlock error, not a hang."""
+    import asyncio
+
+    from tiderl.sim import cluster
+    from tiderl.sim.clock import run_virtual
+
+    cfg = cluster.SimConfig(mode="tiderl", **SMALL)
+
+    def records(run):
+        return [{k: v for k, v in r.items() if k not in ("real_s", "process_s")}
+                for r in run.records]
+
+    ours = cluster.simulate_job(cfg)
+    monkeypatch.setattr(cluster, "run_virtual", _looptime_virtual)
+    theirs = cluster.simulate_job(cfg)
+    assert records(ours) == records(theirs) and len(records(ours)) > 2
+    assert 0 < ours.cpu.iterations
+
+    async def stuck():
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        run_virtual(stuck())
+
+
+def test_decode_cost_closure_is_the_cost_model():
+    """The simulated engine's hoisted decode cost gives `CostModel.decode`'s floats exactly."""
+    import random
+
+    rng = random.Random(0)
+    for prof in ("h100", "cpu-fitted"):
+        for model in ("qwen2.5-7b", "tiny"):
+            c = CostModel(load_profile(prof), model_shape(model))
+            for gpus in (1, 4):
+                fast = c.decode_fn(gpus)
+                for _ in range(300):
+                    b = rng.randint(0, 1100)
+                    cs = b * rng.randint(1, 16384)
+                    assert fast(b, cs) == c.decode(batch=b, context_sum=cs, gpus=gpus)

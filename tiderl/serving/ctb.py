@@ -123,7 +123,8 @@ class CTBScheduler(ReleaseValve, TaskTable):
 
     def usage(self, rank: int, extra: Task | None = None) -> int:
         """KV tokens the rank's active tasks (plus `extra`) need; shared prompts count once."""
-        self._refresh(rank)
+        if self._dirty[rank]:  # (`_refresh` checks too; this skips a call per rank per round)
+            self._refresh(rank)
         used = self._own[rank] + self._prompt_sum[rank]
         if extra is not None:
             used += self._marginal(rank, extra, self.footprint(extra))
@@ -169,6 +170,17 @@ class CTBScheduler(ReleaseValve, TaskTable):
         self._prompt_sum[rank] = sum(prompts.values())
         self._grown_version[rank] = -1
         self._dirty[rank] = False
+
+    def _resized(self, t: Task, tokens: int, measured: bool, prompt_tokens: int) -> None:
+        # A measured task whose prompt is known changes only its own footprint (its shared
+        # prompt part is the same): update the sum in place instead of recounting the rank
+        # on its next read (once per turn, over every task there).
+        r = t.rank
+        if self._dirty[r] or not measured or prompt_tokens != t.prompt_tokens:
+            self._dirty[r] = True
+            return
+        self._own[r] += t.tokens - tokens
+        self._grown_version[r] = -1
 
     def _grown_usage(self, rank: int) -> int:
         """`usage` with every active task at its grown size (see `_admit_fits`)."""

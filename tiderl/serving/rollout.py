@@ -78,8 +78,8 @@ class Trajectory:
 
     @property
     def min_version(self) -> int:
-        vs = [v for v in self.versions if v >= 0]
-        return min(vs) if vs else -1
+        # Over the distinct versions (a handful) rather than every token (thousands).
+        return min((v for v in set(self.versions) if v >= 0), default=-1)
 
     @property
     def action_token_count(self) -> int:
@@ -157,23 +157,28 @@ class RolloutManager:
         now = self.sched.clock()
         last = self._busy_at
         self._busy_at = now
-        busy = self._busy_now()
-        if last is None or len(busy) != len(self._busy_s):  # first round, or slots added
+        if last is None or len(self.ranks) != len(self._busy_s):  # first round, or slots added
+            busy = self._busy_now()
             self._busy_s = busy
             self._busy_sum = [0.0] * len(busy)
             self._busy_wall = 0.0
             return
         dt = now - last
-        if dt <= 0:
+        if dt <= 0:  # several rounds at one instant: nothing has elapsed
             return
+        busy = self._busy_now()
         # Decaying sums of busy seconds and of elapsed seconds: busy time arrives in lumps
         # (one per engine call), so a per-event rate would be all or nothing.
         decay = math.exp(-dt / BUSY_TAU_S)
-        self._busy_wall = self._busy_wall * decay + dt
+        wall = self._busy_wall = self._busy_wall * decay + dt
+        sums, seen, share = self._busy_sum, self._busy_s, self.sched.engine_busy
         for i, b in enumerate(busy):
-            self._busy_sum[i] = self._busy_sum[i] * decay + max(0.0, b - self._busy_s[i])
-            self._busy_s[i] = b
-            self.sched.engine_busy[i] = min(1.0, self._busy_sum[i] / self._busy_wall)
+            x = sums[i] * decay  # >= 0, so adding nothing (+0.0) leaves it exactly as is
+            if b > seen[i]:
+                x += b - seen[i]
+            sums[i], seen[i] = x, b
+            v = x / wall
+            share[i] = v if v < 1.0 else 1.0
 
     def kick(self) -> None:
         """One scheduling round; applies its decisions."""

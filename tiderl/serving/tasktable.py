@@ -199,6 +199,7 @@ class TaskTable:
         environment answered (`ready=True`: it wants the engine now), or when the turn starts
         (`executing=True`)."""
         t = self.tasks[task_id]
+        was = (t.tokens, t.measured, t.prompt_tokens)
         if ready or executing:
             self._env_answered(t)
         if t.measured and tokens > t.tokens:
@@ -210,11 +211,16 @@ class TaskTable:
         t.tokens, t.measured = tokens, True
         t.turns += 1
         if t.state == "active":
-            self._dirty[t.rank] = True
+            self._resized(t, *was)
         if executing is not None:
             self._set_executing(t, executing)
         if t.group_id not in self.group_probe:
             self._add_probe(t.group_id, tokens)
+
+    def _resized(self, t: Task, tokens: int, measured: bool, prompt_tokens: int) -> None:
+        """Active `t` reported a new size (it had `tokens`, `measured`, `prompt_tokens`): its
+        rank's cached usage is stale (a scheduler that can update it in place does)."""
+        self._dirty[t.rank] = True
 
     def set_executing(self, task_id: str, executing: bool) -> None:
         """A turn starts (True) or ends (False: the task now waits on its environment)."""

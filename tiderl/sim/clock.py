@@ -1,7 +1,10 @@
-"""The virtual clock: a looptime event loop, plus the real CPU time the control plane spends.
+"""The virtual clock: a virtual-time event loop, plus the real CPU time the control plane spends.
 No JAX.
 
-Sleeps take no real time; the loop's time jumps to the next timer once nothing is ready. The
+Sleeps take no real time; the loop's time jumps to the next timer once nothing is ready
+(`VirtualLoop`: looptime's clock — integer microsecond ticks, the same jump to the next timer —
+without its per-iteration I/O poll and no-op cycles, which a simulator that runs nothing
+outside the loop does not need; the schedule is the one looptime gives). The
 host work of every callback (the controller, CTB, ranks, buffer — and the simulated backends'
 own bookkeeping) is measured in real seconds per loop iteration; with `charge_cpu`, it is also
 added to the virtual clock, so a control plane too slow for its cluster shows up as lost time.
@@ -16,9 +19,45 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-import looptime
-
 T = TypeVar("T")
+
+TICKS_PER_S = 1_000_000
+"""The clock's resolution: looptime's default (1 µs), so timer arithmetic matches it exactly."""
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock is virtual: when nothing is ready, time jumps to the next timer.
+
+    The clock is an integer count of microsecond ticks, advanced exactly as looptime advances
+    it (`round(timeout * 1e6)` ticks, one tick for a positive timeout under a microsecond), so
+    timers fire in the same order and at the same instants as on `looptime.new_event_loop`.
+    looptime also polls for real I/O and spends no-op iterations before every jump (for
+    threads and sockets the loop cannot see); the simulator has neither, so here a jump costs
+    one iteration. Waiting with nothing scheduled is a deadlock and raises.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        super().__init__()
+        self.now_ticks = round(start * TICKS_PER_S)
+        self._selector.select = self._jump  # type: ignore[method-assign]
+
+    def time(self) -> float:
+        return self.now_ticks / TICKS_PER_S
+
+    def _jump(self, timeout: float | None) -> list[Any]:
+        if timeout == 0:
+            return []
+        if timeout is None:
+            raise RuntimeError("simulated job deadlocked: no callback is ready and no timer is "
+                               "scheduled (a coroutine awaits something nothing will set)")
+        sched = self._scheduled  # type: ignore[attr-defined]
+        if sched and sched[0]._when < self.time() + self._clock_resolution:
+            return []  # due within the clock's resolution: runs this iteration, no jump
+        step = round(timeout * TICKS_PER_S)
+        if 0 < timeout < 1 / TICKS_PER_S:
+            step += 1
+        self.now_ticks += step
+        return []
 
 
 class CpuMeter:
@@ -31,9 +70,7 @@ class CpuMeter:
 
 def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
     run_once = loop._run_once
-    # looptime keeps its clock as integer ticks in a name-mangled attribute.
-    attr = "_LoopTimeEventLoop__now"
-    tick = 1e-6  # looptime's default resolution
+    tick = 1 / TICKS_PER_S
 
     def measured() -> None:
         t0 = time.perf_counter()
@@ -41,10 +78,10 @@ def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
         dt = time.perf_counter() - t0
         meter.cpu_s += dt
         meter.iterations += 1
-        if charge and hasattr(loop, attr):
+        if charge:
             if host is not None:
                 dt = host.fixed(dt)
-            setattr(loop, attr, getattr(loop, attr) + int(dt / tick))
+            loop.now_ticks += int(dt / tick)
 
     loop._run_once = measured
 
@@ -52,9 +89,7 @@ def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
 def run_virtual(coro: Coroutine[Any, Any, T], *, charge_cpu: bool = False,
                 meter: CpuMeter | None = None, host: Any = None) -> T:
     """Runs `coro` to completion on a fresh virtual-time loop (starting at t = 0)."""
-    # One no-op cycle before each jump suffices: the simulator runs nothing outside the loop
-    # (no threads, no sockets), and looptime's default 42 cost ~40 idle iterations per jump.
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=1)
+    loop = VirtualLoop(start=0.0)
     meter = meter if meter is not None else CpuMeter()
     _patch(loop, meter, charge_cpu, host)
     try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +346,33 @@ class CostModel:
             context_sum = batch * r.max_context
         return {"flops": m.forward_flops(batch, context_sum) / gpus,
                 "hbm": (m.weight_bytes + m.kv_bytes_per_token * context_sum) / gpus}
+
+    def decode_fn(self, gpus: int = 1) -> Callable[[int, int], float]:
+        """`lambda batch, context_sum: decode(batch=..., context_sum=..., gpus=gpus)` with the
+        model's constants hoisted: the same arithmetic in the same order, so the same floats
+        (a simulated engine prices every decode step; tests check it against `decode`)."""
+        op, m = self._ops["decode"], self.model
+        if self.rules.padded or any(k not in ("flops", "hbm") for k, r in op.rates if r > 0):
+            return lambda batch, context_sum: self.decode(batch=batch, context_sum=context_sum,
+                                                          gpus=gpus)
+        c0 = op.c0
+        rates = [(k, r) for k, r in op.rates if r > 0]
+        mm2 = 2.0 * m.matmul_params
+        att = 4.0 * m.n_layers * m.n_heads * m.head_dim
+        wb, kvb = m.weight_bytes, m.kv_bytes_per_token
+
+        def cost(batch: int, context_sum: int) -> float:
+            if batch <= 0:
+                return 0.0
+            t = 0.0
+            for k, rate in rates:
+                w = ((mm2 * batch + att * context_sum) / gpus if k == "flops"
+                     else (wb + kvb * context_sum) / gpus)
+                if w > 0:
+                    t = max(t, w / rate)
+            return c0 + t
+
+        return cost
 
     def decode(self, contexts: Sequence[int] | None = None, *, batch: int = 0,
                context_sum: int = 0, gpus: int = 1) -> float:

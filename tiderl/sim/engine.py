@@ -96,6 +96,7 @@ class SimEngine:
         self._next_slot = 0
         self._planned_len: dict[tuple[int, int], int] = {}
         self._cost = 0.0
+        self._decode_cost: Any = None
         self.busy_s = 0.0
         """Device seconds charged so far."""
 
@@ -286,11 +287,24 @@ class SimEngine:
         if not active:
             empty = np.zeros(0, np.int32)
             return state, ResultTokens(empty, empty, np.zeros(0, np.float32), empty, empty)
-        left = [self._left(p) for p in active]
+        # `_left` inlined (this runs once per simulated decode call, for every row).
+        planned_len, cap_ctx = self._planned_len, self.max_context
+        left = []
+        for p in active:
+            n = planned_len.get((p.task_id, p.action_start))
+            if n is None:
+                n = self._planned(p)
+            produced = len(p.tokens) - p.action_start
+            left.append(max(1, min(n - produced, p.max_action_tokens - produced,
+                                   cap_ctx - len(p.tokens))))
         k = min(self.decode_steps_per_call, max(left))
+        pages, ps = self._pages, self.page_size
         while True:  # the most steps whose new pages fit (every step writes one token per row)
-            need = sum(max(0, self._pages_for(len(p.tokens) - 1 + min(k, n))
-                           - self._pages[p.slot]) for p, n in zip(active, left, strict=True))
+            need = 0
+            for p, n in zip(active, left, strict=True):
+                more = -(-(len(p.tokens) - 1 + min(k, n)) // ps) - pages[p.slot]
+                if more > 0:
+                    need += more
             if need <= self.pages_free:
                 break
             if k == 1:
@@ -300,6 +314,9 @@ class SimEngine:
             k = max(1, k // 2)
         steps_of = [min(k, n) for n in left]
         if self.costs is not None:
+            if self._decode_cost is None:
+                self._decode_cost = self.costs.decode_fn(self.gpus)
+            decode = self._decode_cost
             # Step j decodes the rows with more than j steps left, each at its context + j.
             cnt = [0] * (k + 1)
             base = [0] * (k + 1)
@@ -311,18 +328,21 @@ class SimEngine:
             for j in range(k - 1, -1, -1):  # rows alive at step j: those with m > j
                 rows += cnt[j + 1]
                 ctx += base[j + 1]
-                cost += self.costs.decode(batch=rows, context_sum=ctx + j * rows,
-                                          gpus=self.gpus)
+                cost += decode(rows, ctx + j * rows)
             self._charge(cost)
         steps = 0
         for p, m in zip(active, steps_of, strict=True):
-            self._resize(p, len(p.tokens) - 1 + m)
-            p.kv_length = len(p.tokens) - 1 + m
-            if p.kv_length > p.computed_max:
-                p.computed_max = p.kv_length
+            kv = len(p.tokens) - 1 + m
+            more = -(-kv // ps) - pages[p.slot]  # `_resize` inlined
+            if more > 0:
+                self.pages_free -= more
+                pages[p.slot] += more
+            p.kv_length = kv
+            if kv > p.computed_max:
+                p.computed_max = kv
             self._sample(p, m)
             steps += m
-            p.decoding = not p.done
+            p.decoding = p.stop_reason == StopReason.NONE
         self.counters.decode_steps += k
         self.counters.decode_tokens += steps
         res = ResultTokens(np.fromiter((p.slot for p in active), np.int32, len(active)),

@@ -25,6 +25,8 @@ import math
 import random
 from typing import Any
 
+import numpy as np
+
 from tiderl.configlib import ConfigError
 from tiderl.serving.rollout import numeric_id
 
@@ -99,10 +101,11 @@ def _gamma_mean_for(shape: float, cap: int, target: float) -> float:
     """The uncapped gamma mean whose draws, rounded and clipped to [1, cap], average `target`
     (capping at the turn limit would otherwise pull the mean below Table 4's)."""
     rng = random.Random(12345)
-    base = [rng.gammavariate(shape, 1.0 / shape) for _ in range(2000)]
+    base = np.array([rng.gammavariate(shape, 1.0 / shape) for _ in range(2000)])
 
     def mean(m: float) -> float:
-        return sum(min(cap, max(1, round(g * m))) for g in base) / len(base)
+        # np.rint rounds half to even, as round() does: the same integers, summed exactly.
+        return int(np.clip(np.rint(base * m), 1, cap).sum()) / len(base)
 
     lo, hi = 0.5, 4.0 * cap
     if mean(hi) < target:
