@@ -16,7 +16,6 @@ iteration counts, `same_records`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -26,22 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiderl.sim import cluster  # noqa: E402
-from tiderl.sim.clock import CpuMeter, _patch, run_virtual  # noqa: E402
+from tiderl.sim.clock import run_virtual  # noqa: E402
 
 
 def looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
     """`run_virtual` on looptime's loop, one no-op cycle per jump (the simulator's former
-    setting; looptime's default of 42 costs ~40 idle iterations per jump)."""
+    setting; looptime's default of 42 costs ~40 idle iterations per jump). CPU time is
+    measured, never charged (as the jobs here run)."""
     import looptime
 
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=1)
-    _patch(loop, meter if meter is not None else CpuMeter(), False)
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-        asyncio.set_event_loop(None)
+    return run_virtual(coro, meter=meter, loop=looptime.new_event_loop(start=0.0, noop_cycles=1))
 
 
 CONTENDERS = {"virtual": run_virtual, "looptime": looptime_virtual}

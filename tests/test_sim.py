@@ -365,17 +365,11 @@ def test_shared_host_shares_its_capacity():
 # -- speed without a different schedule -----------------------------------------------------
 def _looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
     """`run_virtual` on looptime's own loop (what `VirtualLoop` replaced)."""
-    import asyncio
-
     import looptime
 
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=1)
-    try:
-        asyncio.set_event_loop(loop)
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-        asyncio.set_event_loop(None)
+    from tiderl.sim.clock import run_virtual
+
+    return run_virtual(coro, meter=meter, loop=looptime.new_event_loop(start=0.0, noop_cycles=1))
 
 
 def test_virtual_loop_keeps_looptimes_schedule(monkeypatch):

@@ -87,9 +87,15 @@ def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
 
 
 def run_virtual(coro: Coroutine[Any, Any, T], *, charge_cpu: bool = False,
-                meter: CpuMeter | None = None, host: Any = None) -> T:
-    """Runs `coro` to completion on a fresh virtual-time loop (starting at t = 0)."""
-    loop = VirtualLoop(start=0.0)
+                meter: CpuMeter | None = None, host: Any = None, loop: Any = None) -> T:
+    """Runs `coro` to completion on a fresh virtual-time loop (starting at t = 0): a
+    `VirtualLoop`, or `loop` (e.g. looptime's, to compare schedules; `charge_cpu` needs a
+    `VirtualLoop`)."""
+    if loop is None:
+        loop = VirtualLoop(start=0.0)
+    elif charge_cpu:
+        raise ValueError("run_virtual(charge_cpu=True) charges the CPU time to a VirtualLoop's "
+                         "clock; leave `loop` unset")
     meter = meter if meter is not None else CpuMeter()
     _patch(loop, meter, charge_cpu, host)
     try:
