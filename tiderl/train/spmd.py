@@ -149,11 +149,12 @@ class SpmdTrainer(TrainerBackend):
     def op_sync(self, version: int, roles: dict) -> tuple[dict, dict]:
         rm = RoleMap.from_wire(roles)
         if self.roles is not None and rm != self.roles:
-            # Cells change roles only through the elastic-scaling path, which must move the
-            # trainer state and ranks too; never silently run with a stale layout.
-            raise NotImplementedError(
-                f"role map epoch {rm.epoch} moves cells across processes; elastic scaling "
-                "across processes is not wired yet (keep controller.ers off on several hosts)")
+            # Cells change roles only through the `remesh` unit, which moves the trainer state
+            # and ranks and sets `self.roles` before the boundary's sync; a sync carrying
+            # another map means the plan stream lost a unit: never run with a stale layout.
+            raise RuntimeError(
+                f"sync with role map epoch {rm.epoch}, but this process holds epoch "
+                f"{self.roles.epoch}: a role change reached the sync without its remesh unit")
         self.roles = rm
         self.swap("actor", "device")  # an offloaded Actor comes back first (on every process)
         trees, stats = self.syncer.run(self.state["params"])
