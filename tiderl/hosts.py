@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,17 @@ def _rank_cells(cfg: RunConfig, plan: Any, local_devices: int) -> RoleMap:
                     model_parallel=cfg.trainer.model_parallel)
 
 
-def _sync_plan(cfg: RunConfig, world: World, trainer: Any, meshes: dict, roles: RoleMap):
+def _sync_plan(cfg: RunConfig, world: World, trainer: Any, roles: RoleMap,
+               rank_meshes: Sequence[Any], tag: str = ""):
+    """The weight sync from the trainer's current mesh to the rollout ranks of `roles`
+    (`rank_meshes` in their order; `tag` keeps a later epoch's transfers apart)."""
     from tiderl.weightsync import SyncPlan
 
-    return SyncPlan(process=world.process_id, size=world.size,
-                    rank_meshes=list(meshes["rollout"]),
-                    rank_process=[c.process for c in roles.rollout()],
-                    trainer_mesh=meshes["actor"], abstract=trainer._abstract,
-                    weight_source=cfg.distributed.weight_source, barrier=world.barrier)
+    ranks = roles.rollout()
+    return SyncPlan(process=world.process_id, size=world.size, rank_meshes=list(rank_meshes),
+                    rank_process=[c.process for c in ranks], rank_ids=[c.index for c in ranks],
+                    trainer_mesh=trainer.actor_mesh, abstract=trainer._abstract,
+                    weight_source=cfg.distributed.weight_source, barrier=world.barrier, tag=tag)
 
 
 def _new_rank(cfg: RunConfig, graphdef: Any, rcfg: Any, rank_id: int, tree: Any,
@@ -152,13 +156,8 @@ def _bind_cells(cfg: RunConfig, world: World, trainer: Any, cells: Any) -> None:
         return
 
     def make_syncer(rm: RoleMap) -> SyncPlan:
-        ranks = rm.rollout()
-        return SyncPlan(process=world.process_id, size=world.size,
-                        rank_meshes=[cells.rank_mesh(c) for c in ranks],
-                        rank_process=[c.process for c in ranks],
-                        rank_ids=[c.index for c in ranks], trainer_mesh=trainer.actor_mesh,
-                        abstract=trainer._abstract, weight_source=cfg.distributed.weight_source,
-                        barrier=world.barrier, tag=f"e{rm.epoch}/")
+        return _sync_plan(cfg, world, trainer, rm, [cells.rank_mesh(c) for c in rm.rollout()],
+                          tag=f"e{rm.epoch}/")
 
     trainer.make_syncer = make_syncer
 
@@ -202,7 +201,7 @@ class LeaderSite(LocalSite):
         local = jax.local_device_count()
         roles = _rank_cells(cfg, device_plan_for(cfg, self.world.size, local), local)
         trainer.roles = roles
-        trainer.syncer = _sync_plan(cfg, self.world, trainer, meshes, roles)
+        trainer.syncer = _sync_plan(cfg, self.world, trainer, roles, meshes["rollout"])
         # The first sync spans processes (the followers run it in their prologue).
         trees, _ = await asyncio.to_thread(trainer.syncer.run, trainer.state["params"])
         own = _own_ranks(cfg, trainer, graphdef, rcfg, trees)
@@ -349,7 +348,7 @@ class FollowerSite(LocalSite):
                                     "checkpoints; start without --resume")
         roles = _rank_cells(cfg, plan, jax.local_device_count())
         trainer.roles = roles
-        trainer.syncer = _sync_plan(cfg, self.world, trainer, meshes, roles)
+        trainer.syncer = _sync_plan(cfg, self.world, trainer, roles, meshes["rollout"])
         trees, _ = trainer.syncer.run(trainer.state["params"])
         ranks = _own_ranks(cfg, trainer, graphdef, rcfg, trees)
         # The cells process 0 moves when elastic scaling is on (LeaderSite.elastic); unused
