@@ -142,6 +142,61 @@ def test_sim_engine_tracks_residency_and_charges_costs(h100_7b):
     assert e.pages_free == 64 and p.kv_length == 0 and p.drop_reason == "evicted"
 
 
+@pytest.mark.parametrize("split", [None, 1])
+def test_sim_engine_shares_a_groups_prompt_as_the_real_engine_does(split):
+    """The counts of the real engine's sharing test (tests/test_serving_share.py), on the
+    simulated engine: G siblings' identical prompt is computed once (in one call, or by the
+    first sibling and then taken from its kept logits)."""
+    from tiderl.serving.pages import PrefillRequest
+    from tiderl.sim.engine import SimEngine
+
+    G, prompt = 8, list(range(5, 18))
+    runs = {}
+    for share in (False, True):
+        e = SimEngine(num_pages=64, page_size=4, max_slots=G, max_context=128)
+        hs: list = []
+        for part in ([range(G)] if split is None else [range(split), range(split, G)]):
+            hs += e.prefill_many(None, [PrefillRequest(None, prompt, len(prompt), task_id=40 + i,
+                                                       share=hs if share else None)
+                                        for i in part])
+        runs[share] = (e, hs)
+    (off, hs_off), (on, hs_on) = runs[False], runs[True]
+    p = len(prompt)
+    assert off.counters.computed_new - on.counters.computed_new == (G - 1) * p
+    assert on.counters.prompt_tokens_shared == (G - 1) * p
+    assert on.counters.shared_samples == G - 1
+    # Sharing changes what is computed, not what is sampled (keyed by task and position).
+    assert [h.tokens for h in hs_on] == [h.tokens for h in hs_off]
+
+
+def test_sim_engine_evicted_sibling_computes_only_its_own_tokens():
+    from tiderl.serving.pages import PrefillRequest
+    from tiderl.sim.engine import SimEngine
+
+    e = SimEngine(num_pages=64, page_size=4, max_slots=4, max_context=128, max_action_tokens=3)
+    prompt = list(range(5, 18))  # 13 tokens: 3 full pages of 4, one partial
+    a, b = e.prefill_many(None, [PrefillRequest(None, prompt, len(prompt), task_id=1, share=[]),
+                                 PrefillRequest(None, prompt, len(prompt), task_id=2, share=[])])
+    for h in (a, b):
+        e.insert(h, {})
+    while not (a.done and b.done):
+        e.generate(None, {})
+    assert a.tokens != b.tokens  # their actions differ (keyed by task)
+    e.evict(b)
+    before = e.counters.computed_new + e.counters.recomputed_evicted
+    shared = e.counters.prompt_tokens_shared
+    (b,) = e.prefill_many(None, [PrefillRequest(b, [7, 8], 2, share=[a, b])])
+    computed = e.counters.computed_new + e.counters.recomputed_evicted - before
+    assert e.counters.prompt_tokens_shared - shared == len(prompt)
+    assert computed == len(b.tokens) - 1 - len(prompt) and b.prefill_cached == len(prompt)
+    # fork: siblings holding a's resident context, each sampling its own first token next.
+    kids = e.fork(a, 2, [7, 8])
+    assert [k.kv_length for k in kids] == [a.kv_length] * 2
+    for k in kids:
+        (k,) = e.prefill_many(None, [PrefillRequest(k, [], 0)])
+        assert k.prefill_computed == 1 and k.prefill_cached == a.kv_length - 1
+
+
 # -- the simulated trainer against the production RA2P cost model ----------------------------
 def _ready_step(trainer, mbs):
     from tiderl.sim.clock import run_virtual

@@ -331,3 +331,18 @@ class EngineCounters:
         else:
             self.computed_new += redo
         self.computed_new += end - start - redo
+
+
+def common_prefix(a, b, limit: int) -> int:
+    """Length of the common prefix of sequences `a` and `b`, at most `limit` (slice compares
+    run in C: a binary search over them beats a Python loop over thousands of tokens)."""
+    if tuple(a[:limit]) == tuple(b[:limit]):
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tuple(a[lo:mid]) == tuple(b[lo:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -13,26 +13,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tiderl.serving.pages import Prefix
+from tiderl.serving.pages import Prefix, common_prefix
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
-
-
-def _common_prefix(a, b, limit: int) -> int:
-    """Length of the common prefix of sequences `a` and `b`, at most `limit` (slice compares
-    run in C: a binary search over them beats a Python loop over thousands of tokens)."""
-    if tuple(a[:limit]) == tuple(b[:limit]):
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tuple(a[lo:mid]) == tuple(b[lo:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class SiblingSharing:
@@ -54,7 +39,7 @@ class SiblingSharing:
         for s in share:
             if s is h or s.slot is None or not s.kv_length or s.version != self.version:
                 continue
-            n = _common_prefix(full, s.tokens, min(len(full), s.kv_length))
+            n = common_prefix(full, s.tokens, min(len(full), s.kv_length))
             if n > best_n:
                 best, best_n = s, n
         return best, best_n

@@ -5,7 +5,9 @@ which of them are resident in KV and of which weight version, pages per slot, th
 vLLM-style prefix-cache counters — and follows its rules: `prefill_many` is all-or-nothing on
 pages and slots, a prefill computes only what is not resident (everything after an eviction or
 a weight flush), decode needs a page for every token it writes, a full pool raises
-`PoolExhaustedError` with nothing changed. No numbers are computed: actions are drawn from an
+`PoolExhaustedError` with nothing changed, GRPO siblings share their context's compute as in
+`tiderl.serving.share` (each sibling's pages are still charged to the pool: the simulator
+does not count a shared page once). No numbers are computed: actions are drawn from an
 `ActionModel` keyed by (task, position), so a trajectory does not depend on batching.
 
 Time: every call adds its cost under a `CostModel` (the engine's batching rules applied: chunks,
@@ -17,6 +19,7 @@ call stop there, and the call costs the sum of its steps over the shrinking batc
 
 from __future__ import annotations
 
+import collections
 import hashlib
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -30,6 +33,7 @@ from tiderl.serving.pages import (
     Prefix,
     ResultTokens,
     StopReason,
+    common_prefix,
 )
 from tiderl.sim.costs import CostModel
 
@@ -95,6 +99,8 @@ class SimEngine:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._planned_len: dict[tuple[int, int], int] = {}
+        self._prompts: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
+        """First prompts whose logits the real engine keeps (context -> weight version)."""
         self._cost = 0.0
         self._decode_cost: Any = None
         self.busy_s = 0.0
@@ -187,35 +193,83 @@ class SimEngine:
                 h.temperature = r.temperature
             handles.append(h)
             news.append(new)
-        rows = []
-        for h, new in zip(handles, news, strict=True):
+        rows = []  # (handle, new tokens, start, end, tokens taken from a sibling)
+        follow = []  # (handle, new tokens, end): whole context at a sibling, nothing computed
+        leaders: dict[tuple[int, ...], Prefix] = {}
+        firsts: list[tuple[int, ...]] = []
+        for r, h, new in zip(requests, handles, news, strict=True):
             end = len(h.tokens) + len(new)
             if end + 1 > self.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
                 continue
             if h.slot is not None and h.kv_length and h.version != self.version:
                 self._drop_kv(h, "version")
-            rows.append((h, new, min(h.kv_length, end - 1), end))
-        self._check_capacity(rows)
-        for h, _, _start, end in rows:
+            start, taken = min(h.kv_length, end - 1), 0
+            if r.share is not None and not h.kv_length:
+                # The real engine's sibling sharing (tiderl.serving.share): the same context
+                # computed by a row of this call or resident at a sibling with its prompt's
+                # logits kept costs nothing; else the longest resident common prefix of at
+                # least a page is taken and only the rest computed.
+                ctx = (*h.tokens, *new)
+                src, n = (None, 0) if ctx in leaders else self._best_source(h, ctx, r.share)
+                if ctx in leaders or (n == end and self._prompts.get(ctx) == self.version):
+                    follow.append((h, new, end))
+                    continue
+                if src is not None and n >= self.page_size:
+                    start = taken = min(n, end - 1)
+                leaders[ctx] = h
+                if not h.tokens:
+                    firsts.append(ctx)
+            rows.append((h, new, start, end, taken))
+        self._check_capacity([*rows, *((h, new, end, end, 0) for h, new, end in follow)])
+        for h, _, _start, end, _ in rows:
+            if h.slot is None:
+                self._open(h)
+            self._resize(h, end)
+        for h, _, end in follow:
             if h.slot is None:
                 self._open(h)
             self._resize(h, end)
         if self.costs is not None and rows:
-            self._charge(self.costs.prefill([(s, e - s) for _, _, s, e in rows], self.gpus))
+            self._charge(self.costs.prefill([(s, e - s) for _, _, s, e, _ in rows], self.gpus))
         c = self.counters
-        for h, new, start, end in rows:
-            h.tokens.extend(new)
-            if new:
-                h.action_start, h.logprobs, h.versions = end, [], []
-                h.stop_reason = StopReason.NONE
-            c.count_prefill(h, start, end)
-            h.kv_length, h.version, h.drop_reason = end, self.version, "new"
-            h.computed_max = max(h.computed_max, end)
-            c.prefill_calls += 1
-            self._sample(h, 1)
-            h.decoding = False
+        for h, new, start, end, taken in rows:
+            self._after_prefill(h, new, start, end)
+            c.prompt_tokens_shared += taken
+        for h, new, end in follow:
+            self._after_prefill(h, new, end, end)
+            c.prompt_tokens_shared += end
+            c.shared_samples += 1
+        for ctx in firsts:  # the real engine keeps these prompts' logits (LRU, max_slots)
+            self._prompts[ctx] = self.version
+            self._prompts.move_to_end(ctx)
+            while len(self._prompts) > (self.max_slots or 1 << 30):
+                self._prompts.popitem(last=False)
         return handles
+
+    def _after_prefill(self, h: Prefix, new: list[int], start: int, end: int) -> None:
+        c = self.counters
+        h.tokens.extend(new)
+        if new:
+            h.action_start, h.logprobs, h.versions = end, [], []
+            h.stop_reason = StopReason.NONE
+        c.count_prefill(h, start, end)
+        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+        h.computed_max = max(h.computed_max, end)
+        c.prefill_calls += 1
+        self._sample(h, 1)
+        h.decoding = False
+
+    def _best_source(self, h: Prefix, ctx: tuple[int, ...], share) -> tuple[Prefix | None, int]:
+        """The sibling whose current resident KV covers the longest prefix of `ctx`."""
+        best, best_n = None, 0
+        for s in share:
+            if s is h or s.slot is None or not s.kv_length or s.version != self.version:
+                continue
+            n = common_prefix(ctx, s.tokens, min(len(ctx), s.kv_length))
+            if n > best_n:
+                best, best_n = s, n
+        return best, best_n
 
     def _check_capacity(self, rows) -> None:
         new_slots = sum(h.slot is None for h, *_ in rows)
@@ -224,7 +278,7 @@ class SimEngine:
                 f"no free slot: {new_slots} new tasks but {self.max_slots - len(self.slots)} "
                 f"of max_slots={self.max_slots} free")
         need = sum(self._pages_for(end) - (self._pages[h.slot] if h.slot is not None else 0)
-                   for h, _, _, end in rows)
+                   for h, _, _, end, *_ in rows)
         if need > self.pages_free:
             raise PoolExhaustedError(f"KV page pool exhausted: prefill needs {need} pages, "
                                      f"{self.pages_free} free of {self.num_pages}")
@@ -365,8 +419,31 @@ class SimEngine:
         p.kv_length, p.decoding = 0, False
 
     def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
-        raise NotImplementedError("SimEngine does not share pages between siblings yet; run "
-                                  "with rollout.ctb.shared_prompts=false")
+        """n siblings holding the task's resident context (the real engine's `fork`); each is
+        then prefilled with `true_length=0` to sample its own first token."""
+        h = prefix if isinstance(prefix, Prefix) else self.slots[prefix]
+        if len(task_ids) != n:
+            raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
+        if h.slot is None or not h.kv_length or h.version != self.version:
+            raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
+                             "first")
+        if self.max_slots is not None and len(self.slots) + n > self.max_slots:
+            raise PoolExhaustedError(f"no free slot: fork of {n} siblings")
+        if n * self._pages_for(h.kv_length) > self.pages_free:
+            raise PoolExhaustedError(f"KV page pool exhausted: fork of {n} siblings")
+        children = []
+        for tid in task_ids:
+            child = Prefix(task_id=int(tid), tokens=h.tokens[: h.kv_length],
+                           kv_length=h.kv_length, version=h.version,
+                           action_start=min(h.action_start, h.kv_length),
+                           temperature=h.temperature, max_action_tokens=h.max_action_tokens,
+                           computed_max=h.kv_length)
+            n_act = max(0, h.kv_length - h.action_start)
+            child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
+            self._open(child)
+            self._resize(child, h.kv_length)
+            children.append(child)
+        return children
 
     def stats(self) -> dict[str, float]:
         return {"slots_in_use": len(self.slots), "pages_in_use": self.pages_in_use,
