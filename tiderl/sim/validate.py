@@ -400,7 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(res)
     if args.out:
         keep = ("step", "wall_s", "step_time_s", "rwt_s", "twt_s", "goodput", "kv_hit_rate",
-                "prefill_computed", "consumed_tokens", "generated_tokens")
+                "prefill_computed", "consumed_tokens", "generated_tokens", "step_time",
+                "time_ref", "time_actor_fwd", "time_actor_bwd", "time_apply", "time_wait",
+                "sync_s", "engine_busy", "tasks_executing", "tasks_waiting")
         res["steps"] = {side: {m: [[{k: r.get(k) for k in keep} for r in step_records(o)]
                                    for o in runs[m]] for m in MODES}
                         for side, runs in (("real", real), ("sim", sim))}
