@@ -92,6 +92,7 @@ from tiderl.serving.pages import (
     ResultTokens,
     StaleKVError,
     StopReason,
+    fork_children,
 )
 from tiderl.serving.sampling import sample, token_keys
 from tiderl.serving.share import SiblingSharing
@@ -545,23 +546,11 @@ class Engine(SiblingSharing):
     def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
         """n siblings sharing the task's resident KV pages copy-on-write (GRPO groups)."""
         h = self._resolve(prefix)
-        if len(task_ids) != n:
-            raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
-        if h.slot is None or not h.kv_length or h.version != self.version:
-            raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
-                             "first")
+        children = fork_children(h, n, task_ids, self.version)
         st = self._state()
-        children = []
-        for slot, tid in zip(self.pages.fork(h.slot, n), task_ids, strict=True):
-            child = Prefix(task_id=tid, tokens=h.tokens[: h.kv_length], slot=slot,
-                           kv_length=h.kv_length, version=h.version,
-                           action_start=min(h.action_start, h.kv_length),
-                           temperature=h.temperature, max_action_tokens=h.max_action_tokens,
-                           computed_max=h.kv_length)
-            n_act = max(0, h.kv_length - h.action_start)
-            child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
+        for slot, child in zip(self.pages.fork(h.slot, n), children, strict=True):
+            child.slot = slot
             st.slots[slot] = child
-            children.append(child)
         return children
 
     # -- views ---------------------------------------------------------------------------------

@@ -346,3 +346,38 @@ def common_prefix(a, b, limit: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def best_source(h: Prefix, ctx, share, version: int) -> tuple[Prefix | None, int]:
+    """The sibling in `share` whose resident KV of weight `version` covers the longest prefix
+    of `ctx` (h's context), and that length (prefix sharing of GRPO siblings)."""
+    best, best_n = None, 0
+    for s in share:
+        if s is h or s.slot is None or not s.kv_length or s.version != version:
+            continue
+        n = common_prefix(ctx, s.tokens, min(len(ctx), s.kv_length))
+        if n > best_n:
+            best, best_n = s, n
+    return best, best_n
+
+
+def fork_children(h: Prefix, n: int, task_ids, version: int) -> list[Prefix]:
+    """`fork`'s n siblings of `h` holding its resident context (no slot yet): its tokens up to
+    `kv_length` and the action's logprobs so far. Raises ValueError, naming the task, when the
+    ids do not match `n` or `h` has no current resident KV."""
+    if len(task_ids) != n:
+        raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
+    if h.slot is None or not h.kv_length or h.version != version:
+        raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
+                         "first")
+    n_act = max(0, h.kv_length - h.action_start)
+    children = []
+    for tid in task_ids:
+        child = Prefix(task_id=int(tid), tokens=h.tokens[: h.kv_length],
+                       kv_length=h.kv_length, version=h.version,
+                       action_start=min(h.action_start, h.kv_length),
+                       temperature=h.temperature, max_action_tokens=h.max_action_tokens,
+                       computed_max=h.kv_length)
+        child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
+        children.append(child)
+    return children

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tiderl.serving.pages import Prefix, common_prefix
+from tiderl.serving.pages import Prefix, best_source
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -35,14 +35,7 @@ class SiblingSharing:
     def _best_source(self, h: Prefix, full: tuple[int, ...],
                      share) -> tuple[Prefix | None, int]:
         """The sibling whose resident KV covers the longest prefix of `full`, and its length."""
-        best, best_n = None, 0
-        for s in share:
-            if s is h or s.slot is None or not s.kv_length or s.version != self.version:
-                continue
-            n = common_prefix(full, s.tokens, min(len(full), s.kv_length))
-            if n > best_n:
-                best, best_n = s, n
-        return best, best_n
+        return best_source(h, full, share, self.version)
 
     def _attach(self, h: Prefix, src: Prefix, n: int) -> None:
         """Gives `h` (no resident KV) the pages of `src` that hold its first `n` tokens."""

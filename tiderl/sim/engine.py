@@ -33,7 +33,8 @@ from tiderl.serving.pages import (
     Prefix,
     ResultTokens,
     StopReason,
-    common_prefix,
+    best_source,
+    fork_children,
 )
 from tiderl.sim.costs import CostModel
 
@@ -211,7 +212,8 @@ class SimEngine:
                 # logits kept costs nothing; else the longest resident common prefix of at
                 # least a page is taken and only the rest computed.
                 ctx = (*h.tokens, *new)
-                src, n = (None, 0) if ctx in leaders else self._best_source(h, ctx, r.share)
+                src, n = (None, 0) if ctx in leaders else best_source(h, ctx, r.share,
+                                                                     self.version)
                 if ctx in leaders or (n == end and self._prompts.get(ctx) == self.version):
                     follow.append((h, new, end))
                     continue
@@ -259,17 +261,6 @@ class SimEngine:
         c.prefill_calls += 1
         self._sample(h, 1)
         h.decoding = False
-
-    def _best_source(self, h: Prefix, ctx: tuple[int, ...], share) -> tuple[Prefix | None, int]:
-        """The sibling whose current resident KV covers the longest prefix of `ctx`."""
-        best, best_n = None, 0
-        for s in share:
-            if s is h or s.slot is None or not s.kv_length or s.version != self.version:
-                continue
-            n = common_prefix(ctx, s.tokens, min(len(ctx), s.kv_length))
-            if n > best_n:
-                best, best_n = s, n
-        return best, best_n
 
     def _check_capacity(self, rows) -> None:
         new_slots = sum(h.slot is None for h, *_ in rows)
@@ -422,27 +413,14 @@ class SimEngine:
         """n siblings holding the task's resident context (the real engine's `fork`); each is
         then prefilled with `true_length=0` to sample its own first token."""
         h = prefix if isinstance(prefix, Prefix) else self.slots[prefix]
-        if len(task_ids) != n:
-            raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
-        if h.slot is None or not h.kv_length or h.version != self.version:
-            raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
-                             "first")
+        children = fork_children(h, n, task_ids, self.version)
         if self.max_slots is not None and len(self.slots) + n > self.max_slots:
             raise PoolExhaustedError(f"no free slot: fork of {n} siblings")
         if n * self._pages_for(h.kv_length) > self.pages_free:
             raise PoolExhaustedError(f"KV page pool exhausted: fork of {n} siblings")
-        children = []
-        for tid in task_ids:
-            child = Prefix(task_id=int(tid), tokens=h.tokens[: h.kv_length],
-                           kv_length=h.kv_length, version=h.version,
-                           action_start=min(h.action_start, h.kv_length),
-                           temperature=h.temperature, max_action_tokens=h.max_action_tokens,
-                           computed_max=h.kv_length)
-            n_act = max(0, h.kv_length - h.action_start)
-            child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
+        for child in children:
             self._open(child)
             self._resize(child, h.kv_length)
-            children.append(child)
         return children
 
     def stats(self) -> dict[str, float]:
