@@ -80,7 +80,7 @@ def test_default_task_rules():
     last = env.step("7")
     assert (last.observation, last.done, last.reward) == ("lost", True, 0.0)
     assert env.close() == (0.0, {"success": False, "target": 6, "guesses_used": 3,
-                                 "valid_guesses": 2})
+                                 "valid_guesses": 2, "consistent_guesses": 2})
     assert [parse_guess(a, 8) for a in ["3", "03", "3.0", "", "x", "8", "0"]] == [
         3, 3, None, None, None, 8, None]
 
@@ -99,6 +99,21 @@ def test_default_task_shaping_and_range_hints():
     assert env.step("6").reward == 1.0 and env.close()[0] == 1.0
     with pytest.raises(ValueError, match="hint"):
         GuessNumber({"hint": "all"})
+
+
+def test_default_task_consistent_bonus_pays_only_guesses_the_feedback_allows():
+    env = GuessNumber({"format_bonus": "0.3", "bonus": "consistent"})
+    env.reset({"seed": 0, "target": 6})
+    assert env.step("4").observation == "higher"  # 4 was possible: paid
+    assert env.step("2").observation == "higher"  # valid, but feedback ruled out 1-4: not paid
+    last = env.step("7")  # still possible (5-8): paid
+    assert last.reward == pytest.approx(0.3 * 2 / 3)
+    assert env.close()[1]["valid_guesses"] == 3 and env.close()[1]["consistent_guesses"] == 2
+    env.reset({"seed": 0, "target": 6})
+    assert env.step("x").observation == "invalid" and env.step("9").observation == "invalid"
+    assert env.step("5").reward == pytest.approx(0.3 * 1 / 3)
+    with pytest.raises(ValueError, match="bonus="):
+        GuessNumber({"bonus": "all"})
 
 
 @pytest.mark.entry

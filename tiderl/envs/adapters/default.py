@@ -48,6 +48,12 @@ class GuessNumber(Adapter):
         self.format_bonus = float(self.options.get("format_bonus", "0"))
         if not 0.0 <= self.format_bonus < 1.0:
             raise ValueError(f"suite option format_bonus={self.format_bonus} must be in [0, 1)")
+        # bonus=consistent pays the bonus only for guesses still possible given the feedback so
+        # far (inside the range, so each turn's feedback must be read to earn it); bonus=valid
+        # (the default) for any valid guess. Neither changes what a win pays or what is counted.
+        self.bonus = self.options.get("bonus", "valid")
+        if self.bonus not in ("valid", "consistent"):
+            raise ValueError(f"suite option bonus={self.bonus!r} must be 'valid' or 'consistent'")
         # hint=range appends the range still consistent with all feedback ("higher 5-8"): the
         # same game and the same open-loop/optimal rates, but each observation carries the
         # state, so a tiny policy need not attend back across turns to act optimally.
@@ -63,6 +69,7 @@ class GuessNumber(Adapter):
         if self.targets not in ("group", "member"):
             raise ValueError(f"suite option targets={self.targets!r} must be 'group' or 'member'")
         self.valid = 0
+        self.consistent = 0
         self.target = 0
         self.used = 0
         self.success = False
@@ -88,6 +95,7 @@ class GuessNumber(Adapter):
         self.target = int_option(task, "target", target_of(seed, self.n), lo=0, hi=self.n)
         self.used = 0
         self.valid = 0
+        self.consistent = 0
         self.lo, self.hi = 1, self.n
         self.success = False
         self.history = []
@@ -99,6 +107,7 @@ class GuessNumber(Adapter):
         self.used += 1
         guess = parse_guess(action, self.n)
         self.valid += guess is not None
+        self.consistent += guess is not None and self.lo <= guess <= self.hi
         self.history.append(action[:16])
         if guess == self.target:
             self.success = True
@@ -119,7 +128,8 @@ class GuessNumber(Adapter):
     def close(self) -> tuple[float, dict[str, Any]]:
         return (1.0 if self.success else self._shaped(),
                 {"success": self.success, "target": self.target, "guesses_used": self.used,
-                 "valid_guesses": self.valid})
+                 "valid_guesses": self.valid, "consistent_guesses": self.consistent})
 
     def _shaped(self) -> float:
-        return self.format_bonus * self.valid / self.guesses
+        paid = self.consistent if self.bonus == "consistent" else self.valid
+        return self.format_bonus * paid / self.guesses
