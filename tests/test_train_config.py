@@ -11,6 +11,7 @@ from tiderl.train.config import TrainerConfig
     ({"clip_low": 1.5}, "trainer.clip_low"),
     ({"dual_clip": 0.5}, "trainer.dual_clip"),
     ({"is_cap": 0.0}, "trainer.is_cap"),
+    ({"stale_loss": "ppo"}, "trainer.stale_loss"),
     ({"mode": "decoupled"}, "trainer.ref_devices"),
     ({"mode": "colocated", "ref_devices": 2}, "trainer.mode"),
     ({"row_len": 0}, "trainer.row_len"),

@@ -108,6 +108,31 @@ def test_clip_fraction_counts_only_clips_that_decide_the_loss():
     clipped = np.clip(ratio, 0.8, 1.28)
     ref = ((-adv * clipped > -adv * ratio) & (versions == 1)).sum()
     assert ref == 2 and int(m["clipped_tokens"]) == ref  # tokens 0 (A>0, high), 3 (A<0, low)
+    # stale_loss="clip": the stale token gets the same clip, so it counts too (ρ=1.5, A>0)
+    _, mc = cotangent(jnp.asarray(logp), jnp.zeros((1, 7)), batch, jnp.int32(1),
+                      LossSpec(kl_coef=0.0, clip_low=0.2, clip_high=0.28, stale_loss="clip"))
+    assert int(mc["clipped_tokens"]) == 3 and int(mc["stale_tokens"]) == 1
+
+
+def test_stale_loss_clip_gives_stale_tokens_the_fresh_tokens_clip():
+    """A stale token whose ratio moved past the clip in its advantage's direction gets no
+    policy gradient under 'clip'; under 'is' it gets −min(ρ, is_cap)·A·ρ-free gradient."""
+    logp = jnp.array([[0.0, -1.0, -1.0, -1.0]])
+    behav = jnp.array([[0.0, -1.5, -0.5, -1.0]])  # ρ = e^0.5 ≈ 1.65, e^-0.5 ≈ 0.61, 1
+    batch = {"loss_mask_bt": jnp.array([[0.0, 1, 1, 1]]),
+             "advantages_bt": jnp.array([[0.0, 1.0, -1.0, -1.0]]),
+             "behaviour_logprobs_bt": behav, "segment_ids_bt": jnp.ones((1, 4), jnp.int32),
+             "versions_bt": jnp.array([[0, 0, 0, 0]])}  # all stale at trainer version 1
+    spec = LossSpec(kl_coef=0.0, is_cap=2.0)
+    cot_is, _ = cotangent(logp, jnp.zeros((1, 4)), batch, jnp.int32(1), spec)
+    cot_clip, _ = cotangent(logp, jnp.zeros((1, 4)), batch, jnp.int32(1),
+                            dataclasses.replace(spec, stale_loss="clip"))
+    r = np.exp(np.array([0.5, -0.5, 0.0]))
+    # is: −min(ρ, 2)·A; clip: token 1 (ρ > 1.2, A > 0) and token 2 (ρ < 0.8, A < 0) clipped
+    # to 0, token 3 (ρ = 1) −ρA.
+    np.testing.assert_allclose(cot_is[0, 1:], -np.minimum(r, 2.0) * np.array([1, -1, -1]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(cot_clip[0, 1:], [0.0, 0.0, 1.0], rtol=1e-6)
 
 
 def test_token_logprobs_shift_and_temperature():

@@ -47,6 +47,9 @@ class TrainerConfig:
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; 0 disables."""
     is_cap: float = 2.0
     """Stale tokens (version < trainer version) use truncated IS weights min(ratio, is_cap)."""
+    stale_loss: Literal["is", "clip"] = "is"
+    """Stale tokens' loss: 'is' (truncated IS weights, no clip) or 'clip' (the PPO clip against
+    their behaviour logprobs, as fresh tokens; is_cap unused)."""
     kl_coef: float = 0.001
     entropy_coef: float = 0.0
     """Entropy bonus −c·H_t, H_t the exact entropy of the full next-token distribution at each
@@ -145,6 +148,9 @@ class TrainerConfig:
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"config key 'trainer.dual_clip'={self.dual_clip} must be > 1 "
                               "(typically 3) or 0 to disable")
+        if self.stale_loss not in ("is", "clip"):
+            raise ConfigError(f"config key 'trainer.stale_loss'={self.stale_loss!r} must be "
+                              "'is' (truncated importance weights) or 'clip' (PPO clip)")
         if self.is_cap <= 0:
             raise ConfigError(f"config key 'trainer.is_cap'={self.is_cap} must be positive "
                               "(1.0 is V-trace truncation)")

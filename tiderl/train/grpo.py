@@ -10,7 +10,10 @@ Per action token t (ρ_t = exp(logp_t − behaviour_t)):
   loss at `−c·A`.
 - stale tokens (version < trainer version): the behaviour policy is an older one, so a trust
   region around it would clip nearly every token; they get a truncated importance weight
-  instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style).
+  instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style). With
+  `stale_loss="clip"` they get the fresh tokens' PPO clip against their behaviour logprobs
+  instead (what verl's one-step off-policy and slime do): a token whose probability already
+  moved past the clip since it was sampled stops pushing in that direction.
 - KL to the reference, `kl_coef · k(logp, ref)` with k1 = logp − ref, k2 = ½(logp − ref)²,
   k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's unbiased, non-negative estimator).
   With kl_coef = 0 there is no KL term (and no Ref forward: verl's use_kl_loss=False).
@@ -56,13 +59,14 @@ class LossSpec:
     use_versions: bool = True
     entropy_coef: float = 0.0
     entropy_max: float = 0.0
+    stale_loss: Literal["is", "clip"] = "is"
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> LossSpec:
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
                    is_cap=cfg.is_cap, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                    loss_agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
-                   entropy_max=cfg.entropy_max)
+                   entropy_max=cfg.entropy_max, stale_loss=cfg.stale_loss)
 
 
 def token_logprobs(logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"],
@@ -140,7 +144,8 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
         is_w = jnp.minimum(jax.lax.stop_gradient(ratio), spec.is_cap)
         # exp(x − sg(x)) is 1 in value with gradient ∇x: the IS-weighted policy gradient.
         pg_stale = -is_w * adv * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
-        pg = jnp.where(stale, pg_stale, pg)
+        if spec.stale_loss == "is":
+            pg = jnp.where(stale, pg_stale, pg)
     else:
         stale = jnp.zeros_like(mask, dtype=bool)
     on = mask > 0
@@ -163,7 +168,8 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
         "kl_sum": jnp.sum(jnp.where(on, kl, 0.0)),
         # verl's pg_clipfrac: the clip decides the loss, i.e. the clipped term is the larger
         # loss (ratio above 1 + ε_high for A > 0, below 1 − ε_low for A < 0).
-        "clipped_tokens": jnp.sum(on & ~stale & (-clipped * adv > -ratio * adv)),
+        "clipped_tokens": jnp.sum((on if spec.stale_loss == "clip" else on & ~stale)
+                                  & (-clipped * adv > -ratio * adv)),
         "stale_tokens": jnp.sum(stale),
         "action_tokens": jnp.sum(mask),
         "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),
