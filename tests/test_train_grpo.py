@@ -116,7 +116,7 @@ def test_clip_fraction_counts_only_clips_that_decide_the_loss():
 
 def test_stale_loss_clip_gives_stale_tokens_the_fresh_tokens_clip():
     """A stale token whose ratio moved past the clip in its advantage's direction gets no
-    policy gradient under 'clip'; under 'is' it gets −min(ρ, is_cap)·A·ρ-free gradient."""
+    policy gradient under 'clip'; under 'is' its cotangent is −min(ρ, is_cap)·A."""
     logp = jnp.array([[0.0, -1.0, -1.0, -1.0]])
     behav = jnp.array([[0.0, -1.5, -0.5, -1.0]])  # ρ = e^0.5 ≈ 1.65, e^-0.5 ≈ 0.61, 1
     batch = {"loss_mask_bt": jnp.array([[0.0, 1, 1, 1]]),
