@@ -141,10 +141,10 @@ def loss_sum(outs, ref_bt: Float[Array, "B T"], batch: dict,
         pg = jnp.where(adv < 0, jnp.minimum(pg, -spec.dual_clip * adv), pg)
     if spec.use_versions:
         stale = (batch["versions_bt"] < version) & (mask > 0)
-        is_w = jnp.minimum(jax.lax.stop_gradient(ratio), spec.is_cap)
-        # exp(x − sg(x)) is 1 in value with gradient ∇x: the IS-weighted policy gradient.
-        pg_stale = -is_w * adv * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
-        if spec.stale_loss == "is":
+        if spec.stale_loss == "is":  # "clip": stale tokens keep the clipped surrogate above
+            is_w = jnp.minimum(jax.lax.stop_gradient(ratio), spec.is_cap)
+            # exp(x − sg(x)) is 1 in value with gradient ∇x: the IS-weighted policy gradient.
+            pg_stale = -is_w * adv * jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
             pg = jnp.where(stale, pg_stale, pg)
     else:
         stale = jnp.zeros_like(mask, dtype=bool)
