@@ -60,7 +60,7 @@ def test_cotangent_by_hand():
              "advantages_bt": jnp.array([[0.0, 2, 2, -1, 1]]),
              "behaviour_logprobs_bt": behav, "segment_ids_bt": jnp.ones((1, 5), jnp.int32),
              "versions_bt": jnp.array([[0, 1, 1, 1, 0]])}
-    spec = LossSpec(kl_coef=0.5, kl_estimator="k1", is_cap=2.0)
+    spec = LossSpec(kl_coef=0.5, kl_estimator="k1", is_cap=2.0, stale_loss="is")
     cot, m = cotangent(logp, ref, batch, jnp.int32(1), spec)
     # t=1: ρ=1, A=2 → −2 + 0.5; t=2: ρ=e^.5 > 1.2, A>0 → clipped, 0 + 0.5;
     # t=3: ρ=1, A=−1 → +1 + 0.5; t=4: stale (version 0 < 1): −min(ρ=1, 2)·A = −1, + 0.5.
@@ -103,7 +103,7 @@ def test_clip_fraction_counts_only_clips_that_decide_the_loss():
              "segment_ids_bt": jnp.ones((1, 7), jnp.int32),
              "versions_bt": jnp.asarray(versions[None])}
     _, m = cotangent(jnp.asarray(logp), jnp.zeros((1, 7)), batch, jnp.int32(1),
-                     LossSpec(kl_coef=0.0, clip_low=0.2, clip_high=0.28))
+                     LossSpec(kl_coef=0.0, clip_low=0.2, clip_high=0.28, stale_loss="is"))
     # The reference: verl's torch.gt(pg_losses2, pg_losses) on the fresh tokens, in numpy.
     clipped = np.clip(ratio, 0.8, 1.28)
     ref = ((-adv * clipped > -adv * ratio) & (versions == 1)).sum()
@@ -123,7 +123,7 @@ def test_stale_loss_clip_gives_stale_tokens_the_fresh_tokens_clip():
              "advantages_bt": jnp.array([[0.0, 1.0, -1.0, -1.0]]),
              "behaviour_logprobs_bt": behav, "segment_ids_bt": jnp.ones((1, 4), jnp.int32),
              "versions_bt": jnp.array([[0, 0, 0, 0]])}  # all stale at trainer version 1
-    spec = LossSpec(kl_coef=0.0, is_cap=2.0)
+    spec = LossSpec(kl_coef=0.0, is_cap=2.0, stale_loss="is")
     cot_is, _ = cotangent(logp, jnp.zeros((1, 4)), batch, jnp.int32(1), spec)
     cot_clip, _ = cotangent(logp, jnp.zeros((1, 4)), batch, jnp.int32(1),
                             dataclasses.replace(spec, stale_loss="clip"))

@@ -8,12 +8,12 @@ Per action token t (ρ_t = exp(logp_t − behaviour_t)):
 - fresh tokens (version = trainer version, or no versions): PPO clip against the behaviour
   logprobs, `−min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A)`; dual clip caps a negative-advantage token's
   loss at `−c·A`.
-- stale tokens (version < trainer version): the behaviour policy is an older one, so a trust
-  region around it would clip nearly every token; they get a truncated importance weight
-  instead, gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style). With
-  `stale_loss="clip"` they get the fresh tokens' PPO clip against their behaviour logprobs
-  instead (what verl's one-step off-policy and slime do): a token whose probability already
-  moved past the clip since it was sampled stops pushing in that direction.
+- stale tokens (version < trainer version): by default (`stale_loss="clip"`) the fresh
+  tokens' PPO clip against their behaviour logprobs (what verl's one-step off-policy and slime
+  do): a token whose probability already moved past the clip since it was sampled stops pushing
+  in that direction. `stale_loss="is"` gives them a truncated importance weight instead,
+  gradient `−min(ρ, is_cap)·A·∇logp` (IMPALA/V-trace style), with no trust region: in the
+  asynchronous loop on the default task that let the entropy blow up within a few updates.
 - KL to the reference, `kl_coef · k(logp, ref)` with k1 = logp − ref, k2 = ½(logp − ref)²,
   k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's unbiased, non-negative estimator).
   With kl_coef = 0 there is no KL term (and no Ref forward: verl's use_kl_loss=False).
@@ -59,7 +59,7 @@ class LossSpec:
     use_versions: bool = True
     entropy_coef: float = 0.0
     entropy_max: float = 0.0
-    stale_loss: Literal["is", "clip"] = "is"
+    stale_loss: Literal["is", "clip"] = "clip"
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> LossSpec:
