@@ -53,8 +53,7 @@ def run_config(mode: str, steps: int, seed: int, run_dir: str) -> Any:
 
 # -- the simulated twin of tiderl.job.run_job -------------------------------------------------
 async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
-                    trace: dict[tuple[str, int], str] | None = None,
-                    host: Any = None) -> dict[str, Any]:
+                    trace: dict[tuple[str, int], str] | None = None) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.control.controller import Controller, Hooks
     from tiderl.control.metrics import MetricsSink
@@ -72,6 +71,11 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 
     r, t, c = cfg.rollout, cfg.trainer, cfg.controller
+    # The engines' steps and the trainer's phases share the host. The control plane's CPU
+    # time is charged by the virtual loop instead (it blocks the loop, as the real event loop
+    # does), not as work on this host: what it measures includes the simulated backends' own
+    # bookkeeping (this host's rate updates among it), which would slow the device work it
+    # models.
     host = SharedHost(**costs.profile.host) if costs.profile.host else None
     template = template_for(load_tokenizer(cfg.model.tokenizer), "auto")
     stops = tuple(sorted(set(r.stop_tokens) | set(template.stop_ids)))
@@ -135,14 +139,11 @@ def simulate(cfg: Any, profile: str = "cpu-fitted",
     """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
     to the virtual clock, as the real run's event loop spends it."""
-    from tiderl.sim.host import SharedHost
-
     costs = CostModel(load_profile(profile), model_shape("tiny"))
-    host = SharedHost(**costs.profile.host) if costs.profile.host else None
     meter = CpuMeter()
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_virtual(_simulate(cfg, costs, tmp, trace, host), meter=meter,
-                          charge_cpu=charge_cpu, host=host)
+        out = run_virtual(_simulate(cfg, costs, tmp, trace), meter=meter,
+                          charge_cpu=charge_cpu)
     out["cpu_s"] = meter.cpu_s
     return out
 
