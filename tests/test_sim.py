@@ -363,8 +363,18 @@ def test_validation_compares_modes_and_ranks_them():
     res = compare(real, sim)
     assert res["same_ranking"] and res["max_goodput_rel_error"] == pytest.approx(0.1)
     assert res["modes"]["sync"]["step_time_mape"] == pytest.approx(0.1)
+    assert res["same_ranking_resolved"] and res["unresolved_pairs"] == []
     sim["sync"] = [run(30, 1.0)]
     assert not compare(real, sim)["same_ranking"]
+    assert not compare(real, sim)["same_ranking_resolved"]
+    # Two seeds each: tiderl 20 and 15, stream 18 and 14 overlap, so their order is not
+    # resolved by the real runs; sync (10, 11) is below both.
+    real = {"sync": [run(10, 2.0), run(11, 2.0)], "stream": [run(18, 1), run(14, 1)],
+            "tiderl": [run(20, 1), run(15, 1)]}
+    sim = {"sync": [run(10, 2.0)] * 2, "stream": [run(19, 1)] * 2, "tiderl": [run(17, 1)] * 2}
+    res = compare(real, sim)
+    assert res["ranking_real"] == ["tiderl", "stream", "sync"] and not res["same_ranking"]
+    assert res["unresolved_pairs"] == ["tiderl~stream"] and res["same_ranking_resolved"]
 
 
 def test_the_cpu_job_simulates_from_its_run_config(tmp_path):
