@@ -385,8 +385,10 @@ def report(res: dict) -> dict:
     out: dict = {}
     for share in (True, False):
         tag = "share" if share else "noshare"
-        ctb = next(c for c in cs if c.kind == "ctb" and c.share == share)
+        ctb = next((c for c in cs if c.kind == "ctb" and c.share == share), None)
         vs = [c for c in cs if c.kind == "vanilla" and c.share == share]
+        if ctb is None or not vs:  # `--only` left no pair to compare
+            continue
         best = min(vs, key=lambda c: med[c]["step_s"])
         top_hit = max(med[c]["hit_rate"] for c in vs)
         m, b = med[ctb], med[best]
@@ -450,7 +452,10 @@ def main() -> None:
                 cap_s=wl.latency.cap_s * x))
         res = asyncio.run(bench_workload(wl, args))
         summary[name] = report(res)
-    share = {k: w["share"] for k, w in summary.items()}
+    share = {k: w["share"] for k, w in summary.items() if "share" in w}
+    if not share:
+        sys.exit("no workload ran CTB and vanilla both with sharing: nothing to compare "
+                 "(`--only` must name ctb+share and at least one vanilla@C+share)")
     head = {
         "hit_rate_ratio": min(w["hit_rate_ratio"] for w in share.values()),
         "step_time_ratio": max(w["step_time_ratio"] for w in share.values()),
