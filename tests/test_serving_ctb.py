@@ -455,7 +455,12 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     now[0] = 2.0
     s.update_usage("w", 42, ready=True)  # W's env answered: 40 + 50 + 42 > 100
     assert s.tasks["w"].ready and s.tasks["w"].state == "paused"
-    # W has its observation and R waits: R is parked, W resumed on the rank holding its KV.
+    # The engine is saturated (busy share 1.0, the scheduler's start value): running W sooner
+    # would add no throughput, and parking R risks its KV; W waits for room.
+    assert s.engine_busy == [1.0] and s.schedule() == []
+    # The engine has time to spare: W has its observation and R waits, so R is parked and W
+    # resumed on the rank holding its KV.
+    s.engine_busy = [0.5]
     assert s.schedule() == [Pause("r", 0, parked=True), Resume("w", 0, False)]
     assert s.usage(0) == 82 and s.tasks["r"].parked
     s.submit([Task(task_id="n", group_id="N", prompt_tokens=10, task_type="small")])

@@ -47,9 +47,11 @@ class CTBConfig:
     park_below_busy: float = 0.9
     """Release valve: while a rank's engine is busy less than this share of the time and
     ready or queued tasks wait for room, park (pause) tasks there that wait on their
-    environment and will for a while yet (see `park_min_wait`): they keep their KV until
-    pages are needed, hold no budget, and are resumed first once their environment answers.
-    0 turns parking off (tasks pause only when their rank is over budget)."""
+    environment (for a queued task, only those that will for a while yet, see
+    `park_min_wait`): they keep their KV until pages are needed, hold no budget, and are
+    resumed first once their environment answers. A rank busier than this parks nothing:
+    its engine has no time for more work, and parked KV evicted when pages run short is
+    computed again. 0 turns parking off (tasks pause only when their rank is over budget)."""
     park_min_wait: float = 0.5
     """Park only a task whose expected remaining environment wait (learned per task type) is
     at least this share of the type's mean wait."""

@@ -26,8 +26,11 @@ class ReleaseValve:
         compute (arXiv 2608.10402, §4): park such tasks (they keep their KV until pages are
         needed, the lowest `keep_value` evicted first, and hold no budget until their
         environment answers) when
-        - a task that has its observation waits for room: it takes the room of waiting tasks
-          that will wait a while yet (`park_min_wait`), cheapest to let go first; or
+        - a task that has its observation waits for room on a rank whose engine has time to
+          spare (`park_below_busy`): it takes the room of waiting tasks, cheapest to let go
+          first. On a saturated engine it waits for room instead: running it sooner adds no
+          throughput there, and the parked tasks' KV, evicted when pages run short, would
+          be computed again (measured on long contexts: more prefill and longer steps); or
         - nothing paused waits to come back, the rank's engine has time to spare
           (`park_below_busy`) and the tasks that would need the engine at any moment (each
           live task's share of time outside its environment, learned per type) would still
@@ -41,8 +44,8 @@ class ReleaseValve:
         if ready:
             want = max(ready, key=lambda t: (self.priority(t), t.task_id))
             home = self.affinity(want)
-            order = [home] if home in ranks else ranks
-            return self._park_on(want, order, out, admit=False)
+            order = [r for r in ([home] if home in ranks else ranks) if self._idle(r)]
+            return bool(order) and self._park_on(want, order, out, admit=False)
         if not self._n_queued or self._n_active >= c.env_concurrency or (
                 self.admission_limit is not None and self.admission_limit <= 0) or not all(
                 t.parked for t in self._paused.values()):
