@@ -15,7 +15,9 @@ per rank, siblings take its pages copy-on-write):
                  measured), half and twice that, the paper's ~39% and ~78% of the step's
                  tasks, and all of them. Its best cap (shortest median step) is chosen per
                  workload and per sharing setting.
-Fairness: one untimed warm-up run per contender (compiles, env server, caches), contenders
+Fairness: one untimed warm-up run per contender (compiles, env server, caches); each keeps one
+scheduler across its runs, as a job keeps one across steps, so the timed runs are steady-state
+steps (CTB's online estimates of env waits and growth come from the runs before); contenders
 interleaved and rotated per repeat, medians over repeats; hit rates pooled over repeats by
 prompt tokens; sampling keys come from (task, position) and the envs are deterministic, so every
 contender plays the same tasks (token-identical trajectories are checked and printed).
@@ -180,18 +182,24 @@ class Contender:
         return base + ("+share" if self.share else "")
 
 
-async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, groups: list,
-                   c: Contender) -> dict:
-    """One step (every group to its end) under one scheduler; returns its figures."""
-    tmpl = template_for(ByteTokenizer(), "byte")
-    rank = RolloutRank(0, engine, max_prefills_per_step=16, share_prefixes=c.share)
-    await rank.start()
+def new_scheduler(rcfg: RolloutConfig, c: Contender):
     ctb = CTBConfig(**{"action_reserve": rcfg.max_action_tokens,
                        "vanilla_concurrency": max(1, c.cap),
                        "env_concurrency": rcfg.max_slots, "shared_prompts": c.share,
                        **CTB_OVERRIDES})
-    sched = make_scheduler(c.kind, ctb, [rcfg.num_pages * rcfg.page_size],
-                           max_context=rcfg.max_context, page_size=rcfg.page_size)
+    return make_scheduler(c.kind, ctb, [rcfg.num_pages * rcfg.page_size],
+                          max_context=rcfg.max_context, page_size=rcfg.page_size)
+
+
+async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, groups: list,
+                   c: Contender, sched) -> dict:
+    """One step (every group to its end) under one scheduler; returns its figures. The
+    scheduler is the contender's own across its runs, as a job keeps one across its steps
+    (what CTB learns online, environment waits and context growth, carries over); a finished
+    group leaves nothing else behind in it."""
+    tmpl = template_for(ByteTokenizer(), "byte")
+    rank = RolloutRank(0, engine, max_prefills_per_step=16, share_prefixes=c.share)
+    await rank.start()
     active_samples: list[int] = []
 
     async def sample_active():
@@ -301,8 +309,12 @@ async def bench_workload(wl: Workload, args) -> dict:
     # One env worker thread: TextWorld's z-machine is not thread-safe (concurrent sessions in
     # threads crash it), so adapter calls are serialised; injected latency still overlaps.
     async with EnvServer(adapter_for(wl.suite), env_cfg, workers=1).serve() as url:
+        scheds: dict = {}
+
         async def once(c: Contender, label: str) -> dict:
-            r = await run_step(engine, rcfg, wl, url, groups, c)
+            if label == "sizing" or c not in scheds:
+                scheds[c] = new_scheduler(rcfg, c)
+            r = await run_step(engine, rcfg, wl, url, groups, c, scheds[c])
             hit = r["cached_tokens"] / max(1, r["prompt_tokens"])
             print(f"  [{wl.name}] {label:7s} {c.name:18s} step {r['step_s']:6.2f}s hit "
                   f"{hit:.3f} computed {r['computed_tokens']:6d} evictions "
