@@ -476,3 +476,58 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s.finish("e")
     assert s.schedule() == [Resume("r", 0, False)]
     s._check_indexes()
+
+
+def _waiting_rank(shared: bool, group_of, prompt: int) -> tuple[CTBScheduler, list[float]]:
+    """One rank of 100 tokens with four 25-token tasks that wait on their environment,
+    each after one turn of 0.1 s and one wait of 0.9 s seen (so CTB knows they spend 90% of
+    their time waiting), on an engine with time to spare."""
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False, wait_samples=1,
+                    park_min_wait=0.0, shared_prompts=shared)
+    s = CTBScheduler(cfg, [100], max_context=1000, page_size=1)
+    now = [0.0]
+    s.set_clock(lambda: now[0])
+    s.engine_busy = [0.5]
+    names = ("a", "b", "c", "d")
+    s.submit([Task(task_id=n, group_id=group_of(n), prompt_tokens=prompt) for n in names])
+    assert [type(d) for d in s.schedule()] == [Admit] * 4
+    for n in names:  # the first turn runs 0.1 s, then the task waits on its env
+        s.update_usage(n, 25, executing=True)
+    now[0] = 0.1
+    for n in names:
+        s.set_executing(n, False)
+    now[0] = 1.0
+    for n in names:  # the env answered after 0.9 s; one more turn, then another wait
+        s.update_usage(n, 25, executing=True)
+    now[0] = 1.1
+    for n in names:
+        s.set_executing(n, False)
+    now[0] = 1.2
+    return s, now
+
+
+def test_release_valve_parks_only_what_a_new_task_needs():
+    # A full rank; a new 25-token task needs the room of one waiting task, not of every
+    # parkable one.
+    s, _ = _waiting_rank(False, str.upper, 25)
+    assert s.usage(0) == 100
+    s.submit([Task(task_id="n", group_id="N", prompt_tokens=25)])
+    out = s.schedule()
+    assert [type(d) for d in out] == [Pause, Admit] and out[0].parked
+    assert s.usage(0) == 100 and len(s.active_on(0)) == 4
+    s._check_indexes()
+
+
+def test_release_valve_counts_a_shared_prompt_freed_only_with_its_last_task():
+    # Siblings a, b share a 20-token prompt, c, d another; each holds 5 tokens of its own:
+    # usage 20 + 20 + 4 x 5 = 60 of 100. A new 50-token task of a third group needs 10 more
+    # than the 40 free. Parking a frees 5 (its prompt stays with b); parking b too frees
+    # 5 + the prompt's 20: two parks, after which the new task fits (not one park that
+    # counts a's whole 25 tokens and then finds no room).
+    s, _ = _waiting_rank(True, lambda n: "AB" if n in "ab" else "CD", 20)
+    assert s.usage(0) == 60
+    s.submit([Task(task_id="n", group_id="N", prompt_tokens=50)])
+    out = s.schedule()
+    assert out == [Pause("a", 0, parked=True), Pause("b", 0, parked=True), Admit("n", 0)]
+    assert s.usage(0) == 80
+    s._check_indexes()
