@@ -61,6 +61,7 @@ class ReleaseValve:
         """Parks waiting tasks on the first rank of `order` where that makes room for `want`
         (for a new task, `admit`, only while the expected demand still fits)."""
         c = self.cfg
+        need = self._least_need(want)
         for r in order:
             if self.max_tasks_per_rank is not None and want.state != "active" and \
                     len(self._active[r]) >= self.max_tasks_per_rank:
@@ -71,38 +72,19 @@ class ReleaseValve:
             victims = sorted((t for t in self._active[r].values()
                               if self._parkable(t, self.cfg.park_min_wait if admit else 0.0)),
                              key=lambda t: (self.keep_value(t), t.task_id))
-            # Room as admission and resumption count it: every task must fit at current sizes
-            # (`_fits`), and a new one also at everyone's planned size (`_admit_fits`).
+            # Room as admission and resumption count it: a new task must fit at everyone's
+            # planned size (`_admit_fits`), a resumed one at current sizes (`_fits`).
             grown = admit and c.plan_growth and not want.is_eval
-            limit = self.limit(r)
-            room = limit - self.usage(r)
-            need = self._marginal(r, want, self._probe_size(want))
-            room_g = limit - self._grown_usage(r) if grown else 0
-            need_g = self._marginal(r, want, self._grown_size(want)) if grown else 0
-            # With shared prompts a group's prompt is freed only with its last task on the
-            # rank, and never for `want`'s own group (it needs that prompt itself).
-            left: dict[str, int] = {}
-            if c.shared_prompts:
-                for t in self._active[r].values():
-                    left[t.group_id] = left.get(t.group_id, 0) + 1
+            room = self.limit(r) - (self._grown_usage(r) if grown else self.usage(r))
+            if grown:
+                need = self._marginal(r, want, self._grown_size(want))
             take: list[Task] = []
             for v in victims[:c.park_per_round]:
-                if room >= need and (not grown or room_g >= need_g):
+                if room >= need and (not admit or self._fits(want, r)):
                     break
                 take.append(v)
-                room += self.footprint(v) + c.action_reserve
-                if grown:
-                    room_g += self._grown_size(v) + c.action_reserve
-                if c.shared_prompts:
-                    sp = self._shared_part(v)
-                    room -= sp
-                    room_g -= sp
-                    left[v.group_id] -= 1
-                    if not left[v.group_id] and v.group_id != want.group_id:
-                        prompt = self._prompt_max[r].get(v.group_id, 0)
-                        room += prompt
-                        room_g += prompt
-            if not take or room < need or (grown and room_g < need_g):
+                room += (self._grown_size(v) if grown else self.footprint(v)) + c.action_reserve
+            if not take or room < need:
                 continue
             for v in take:
                 self._pause(v, r, out, park=True)
