@@ -427,6 +427,42 @@ def test_shared_host_shares_its_capacity():
         SharedHost(capacity=0)
 
 
+def test_suite_env_calls_share_one_event_loop():
+    """The real job serves a built-in suite on its own event loop, so env round trips run one
+    at a time: eight calls made at once end one overhead apart, and an engine step started
+    beside them is slowed as beside one stream, not eight."""
+    import asyncio
+
+    from tiderl.config import load_config
+    from tiderl.sim.clock import run_virtual
+    from tiderl.sim.envs import SimSuiteEnv
+    from tiderl.sim.host import SharedHost
+
+    cfg = load_config(None, ["env.latency.dist=none"]).env
+
+    async def go():
+        host = SharedHost(capacity=1.0)
+        env = SimSuiteEnv(cfg, overhead_s=0.01, host=host)
+        loop = asyncio.get_running_loop()
+        t0, ends = loop.time(), []
+
+        async def call(k):
+            await env.start({"task_id": f"t{k}", "target": 3})
+            ends.append(loop.time() - t0)
+
+        calls = asyncio.gather(*(call(k) for k in range(8)))
+        await asyncio.sleep(0)
+        engine_step = host.fixed(0.1)  # beside the one loop stream in flight
+        await calls
+        return ends, engine_step
+
+    ends, engine_step = run_virtual(go())
+    # The first call started alone (0.01 s); the rest each shared the host with the engine
+    # step while it ran (twice as long), one after another.
+    assert ends == sorted(ends) and len(set(ends)) == 8
+    assert ends[0] == pytest.approx(0.01, abs=1e-6)
+    assert engine_step == pytest.approx(0.2, abs=1e-6)
+
 # -- speed without a different schedule -----------------------------------------------------
 def _looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
     """`run_virtual` on looptime's own loop (what `VirtualLoop` replaced)."""

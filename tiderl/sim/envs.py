@@ -105,11 +105,16 @@ class SimSuiteEnv:
         self.sessions: dict[str, list] = {}
         self.pauses = 0
         self._n = 0
+        self._loop: asyncio.Lock | None = None
 
     async def _overhead(self) -> None:
         if self.overhead_s:
+            if self._loop is None:
+                self._loop = asyncio.Lock()
             h = self.host
-            await asyncio.sleep(h.fixed(self.overhead_s) if h is not None else self.overhead_s)
+            async with self._loop:
+                await asyncio.sleep(h.fixed(self.overhead_s) if h is not None
+                                    else self.overhead_s)
 
     async def start(self, task: dict) -> StartResult:
         await self._overhead()
