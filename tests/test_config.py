@@ -105,3 +105,15 @@ def test_env_max_turns_is_the_one_turn_limit_and_the_default_run_keeps_four():
     cfg = RunConfig()
     assert cfg.env.max_turns == 4
     assert load_config(None, ["env.max_turns=6"]).env.max_turns == 6
+
+
+def test_wide_bf16_preset_is_the_default_run_with_a_wider_policy():
+    """configs/wide-bf16.yaml changes only the policy's width, the learning rate, the compute
+    dtype and the run's length of the embedded default."""
+    cfg = load_config(str(CONFIG_DIR / "wide-bf16.yaml"))
+    base = RunConfig()
+    assert (cfg.model.d_model, cfg.model.compute_dtype, cfg.trainer.lr) == (512, "bfloat16", 1e-3)
+    assert cfg.model.n_heads * cfg.model.head_dim == cfg.model.d_model
+    assert cfg.env == base.env and cfg.rollout == base.rollout
+    assert dataclasses.replace(cfg.trainer, lr=base.trainer.lr) == base.trainer
+    assert cfg.controller.steps == 100 and cfg.controller.eval_every == 25
