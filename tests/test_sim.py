@@ -463,6 +463,7 @@ def test_suite_env_calls_share_one_event_loop():
     assert ends[0] == pytest.approx(0.01, abs=1e-6)
     assert engine_step == pytest.approx(0.2, abs=1e-6)
 
+
 # -- speed without a different schedule -----------------------------------------------------
 def _looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
     """`run_virtual` on looptime's own loop (what `VirtualLoop` replaced)."""
