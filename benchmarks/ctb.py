@@ -63,7 +63,7 @@ from tiderl.serving.rank import RolloutRank  # noqa: E402
 from tiderl.serving.rollout import RolloutManager  # noqa: E402
 
 CTB_OVERRIDES: dict = {}
-VERBOSE = bool(os.environ.get("CTB_BENCH_VERBOSE"))
+VERBOSE = os.environ.get("CTB_BENCH_VERBOSE", "").lower() not in ("", "0", "false", "no")
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128)
 
 
