@@ -105,12 +105,10 @@ class SimSuiteEnv:
         self.sessions: dict[str, list] = {}
         self.pauses = 0
         self._n = 0
-        self._loop: asyncio.Lock | None = None
+        self._loop = asyncio.Lock()  # the event loop the real job serves the suite on
 
     async def _overhead(self) -> None:
         if self.overhead_s:
-            if self._loop is None:
-                self._loop = asyncio.Lock()
             h = self.host
             async with self._loop:
                 await asyncio.sleep(h.fixed(self.overhead_s) if h is not None
