@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiderl.configlib import ConfigError
 from tiderl.serving.ctb import (
     Admit,
     CTBConfig,
@@ -58,6 +60,7 @@ workloads = st.fixed_dictionaries({
     "page": st.sampled_from([1, 8]),
     "busy": st.sampled_from([0.0, 0.5, 1.0]),
     "park_min_wait": st.sampled_from([0.0, 0.5]),
+    "overcommit": st.sampled_from([1.0, 3.0]),
 })
 
 
@@ -124,7 +127,7 @@ def test_ctb_invariants_under_random_workloads(w):
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
     cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
     cfg = dataclasses.replace(CFG, shared_prompts=w["shared"], wait_samples=2,
-                              park_min_wait=w["park_min_wait"])
+                              park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"])
     s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1, page_size=w["page"])
     s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
     now = [0.0]
@@ -180,6 +183,9 @@ def test_ctb_invariants_under_random_workloads(w):
             s.update_usage(t.task_id, size + growth[t.task_id], executing=True)
             if rng.random() < 0.5:
                 s.set_executing(t.task_id, False)
+        if 0.93 < event <= 0.95:
+            # The engines' busy share moves: with overcommit, budgets stretch and shrink.
+            s.engine_busy = [rng.choice([w["busy"], 0.25, 1.0]) for _ in range(w["ranks"])]
         if not killed and w["ranks"] > 1 and event > 0.97:
             s.remove_rank(w["ranks"] - 1)
             killed = True
@@ -476,3 +482,32 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s.finish("e")
     assert s.schedule() == [Resume("r", 0, False)]
     s._check_indexes()
+
+
+def test_overcommit_stretches_the_budget_while_the_engine_idles():
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
+                    overcommit_max=3.0)
+    s = CTBScheduler(cfg, [100], max_context=100)
+    # Off by default: an idle engine plans with the plain budget.
+    off = CTBScheduler(dataclasses.replace(cfg, overcommit_max=1.0), [100], max_context=100)
+    off.engine_busy = [0.1]
+    assert off.budget(0) == 100
+    assert s.budget(0) == 100  # busy all the time (the start's assumption): no stretch
+    s.engine_busy = [0.5]
+    assert s.budget(0) == 200  # 1 / busy
+    s.engine_busy = [0.1]
+    assert s.budget(0) == 300  # at most overcommit_max
+    s.engine_busy = [0.5]
+    s.submit([Task(task_id=f"t{i}", group_id=f"G{i}", prompt_tokens=30) for i in range(8)])
+    got = s.schedule()
+    assert [d.task_id for d in got if isinstance(d, Admit)] == [f"t{i}" for i in range(6)]
+    # The engine gets busy: the budget shrinks back and the tasks waiting on their
+    # environment are paused down to it (their KV stays until pages are needed); the one
+    # inside its turn is not.
+    s.set_executing("t0", True)
+    s.engine_busy = [1.0]
+    got = s.schedule()
+    assert all(isinstance(d, Pause) for d in got) and len(got) == 3
+    assert s.tasks["t0"].state == "active" and s.usage(0) <= 100
+    with pytest.raises(ConfigError, match="overcommit_max"):
+        CTBConfig(overcommit_max=0.5)

@@ -79,7 +79,14 @@ class CTBScheduler(ReleaseValve, TaskTable):
         return t.prompt_tokens // self.page_size * self.page_size
 
     def budget(self, rank: int) -> int:
-        return int(self.capacity[rank] * self.cfg.budget_fraction)
+        return int(self.capacity[rank] * self.cfg.budget_fraction * self.stretch(rank))
+
+    def stretch(self, rank: int) -> float:
+        """How far the rank's budget stretches past its KV pool: 1 / its engine's busy share,
+        at most `overcommit_max` (see there)."""
+        top = self.cfg.overcommit_max
+        busy = self.engine_busy[rank]
+        return 1.0 if top <= 1.0 or busy >= 1.0 else min(top, 1.0 / max(busy, 1e-9))
 
     def limit(self, rank: int) -> int:
         """What a task joining `rank` may bring its usage up to: the budget, or on a rank with

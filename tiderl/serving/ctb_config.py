@@ -40,6 +40,14 @@ class CTBConfig:
     """Share of a task's remaining growth that admission plans for (see `plan_growth`). 1 never
     over-admits but idles KV that tasks reach only at their last turn; staggered tasks hold
     about half their final context on average, and pausing absorbs the rest."""
+    overcommit_max: float = 1.0
+    """Most a rank's budget stretches past its KV pool while its engine idles: to 1 / its
+    busy share (exponential average), so an engine busy half the time plans with twice its
+    budget. Keeping a waiting task's KV is worth the room only while recomputing it would
+    take engine time that is scarce; past the pool, the KV of tasks waiting on their
+    environment is evicted as pages run short (lowest `keep_value` first) and computed again
+    in time the engine would otherwise idle. A busy engine (long contexts, expensive
+    recompute) keeps the plain budget. 1 turns it off (the budget never exceeds the pool)."""
     shared_prompts: bool = True
     """Count a GRPO group's prompt (its whole KV pages) once per rank: ranks with prefix
     sharing (`rollout.share_prefixes`, on by default) hold it once for all siblings there.
@@ -77,6 +85,9 @@ class CTBConfig:
         if not 0 <= self.park_below_busy <= 1:
             raise ConfigError("config key 'rollout.ctb.park_below_busy' must be in [0, 1] "
                               "(0 turns parking off)")
+        if self.overcommit_max < 1:
+            raise ConfigError("config key 'rollout.ctb.overcommit_max' must be >= 1 (1 keeps "
+                              "the budget within the KV pool)")
         if self.park_min_wait < 0:
             raise ConfigError("config key 'rollout.ctb.park_min_wait' must be >= 0")
         for name in ("env_concurrency", "lookahead", "vanilla_concurrency", "park_per_round",
