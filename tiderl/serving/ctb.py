@@ -9,6 +9,8 @@ Token accounting. A rank's usage is the KV its *active* tasks need: each task's 
 reserve for the next action (with `shared_prompts`, a GRPO group's prompt, in whole pages,
 counts once per rank: ranks share it between siblings). Paused tasks do not count (the rank
 keeps their KV until pages are needed). Usage is refreshed once per turn (`update_usage`).
+With `overcommit_max` > 1 a rank's budget stretches past its pool while its engine idles
+(`stretch`).
 The probe: a group whose size is unknown sends one task first; its first turn sizes the
 siblings (and other groups of its type). With `plan_growth`, admission also projects growth
 (learned online per task type) so tasks are not admitted only to be paused.

@@ -47,7 +47,9 @@ class CTBConfig:
     take engine time that is scarce; past the pool, the KV of tasks waiting on their
     environment is evicted as pages run short (lowest `keep_value` first) and computed again
     in time the engine would otherwise idle. A busy engine (long contexts, expensive
-    recompute) keeps the plain budget. 1 turns it off (the budget never exceeds the pool)."""
+    recompute) keeps the plain budget. 1 (the default) turns it off. Measured, it pays for
+    short contexts on a slow engine and loses in the simulated GPU cluster, where computing
+    long contexts again is not free even while the engine idles between environment waits."""
     shared_prompts: bool = True
     """Count a GRPO group's prompt (its whole KV pages) once per rank: ranks with prefix
     sharing (`rollout.share_prefixes`, on by default) hold it once for all siblings there.
