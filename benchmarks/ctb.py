@@ -499,12 +499,13 @@ def report(res: dict) -> dict:
               f"(x{o['hit_rate_ratio_vs_best_hit']:.2f} vs the best vanilla hit rate), step "
               f"time x{o['step_time_ratio']:.3f}, generation throughput "
               f"x{o['throughput_ratio']:.2f}, prefill computed x{o['prefill_computed_ratio']:.2f}")
+        step_verdict = "impossible for any schedule" if o["step_target_below_bound"] else \
+            "not ruled out"
         print(f"[{tag}] targets: hit rate {2 * b['hit_rate']:.3f} "
               f"({'possible' if o['hit_target_possible'] else 'impossible: over 1'}), step "
               f"{o['step_target_s']:.2f}s against a step of at least {bound:.2f}s (longest "
               f"task chain {o['path_bound_s']:.2f}s, longest task alone "
-              f"{o['solo_bound_s']:.2f}s): "
-              f"{'impossible for any schedule' if o['step_target_below_bound'] else 'not ruled out'}")
+              f"{o['solo_bound_s']:.2f}s): {step_verdict}")
     out["identical_tokens"] = res["identical_tokens"]
     out["pool_cap"] = res["pool_cap"]
     return out
