@@ -1,6 +1,8 @@
-"""Continuous Task Batching (arXiv 2608.10402, §4, Algorithm 1) and the request-level baseline.
-No JAX. The task table both schedulers keep is in `tiderl.serving.tasktable`, what they learn
-about task types (environment waits, time outside the environment) in `taskstats`.
+"""Continuous Task Batching (arXiv 2608.10402, §4, Algorithm 1), and `make_scheduler`, which
+also builds the request-level baseline (`tiderl.serving.vanilla`). No JAX. The task table both
+schedulers keep is in `tiderl.serving.tasktable`, what they learn about task types
+(environment waits, time outside the environment) in `taskstats`; CTB's release valve is in
+`valve`, its eval preemption in `preempt`.
 
 One scheduler sees every rollout rank. It holds no device state: ranks report usage, the
 scheduler answers with decisions (`Admit`, `Pause`, `Resume`) that the ranks apply.
@@ -41,14 +43,16 @@ from collections.abc import Iterable
 
 from tiderl.configlib import ConfigError
 from tiderl.serving.ctb_config import CTBConfig
+from tiderl.serving.preempt import EvalPreemption
 from tiderl.serving.tasktable import LIVE_STATES, Admit, Decision, Pause, Resume, Task, TaskTable
 from tiderl.serving.valve import ReleaseValve
+from tiderl.serving.vanilla import VanillaScheduler
 
 __all__ = ["Admit", "CTBConfig", "CTBScheduler", "Decision", "Pause", "Resume", "Task",
            "VanillaScheduler", "make_scheduler"]
 
 
-class CTBScheduler(ReleaseValve, TaskTable):
+class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
     """Algorithm 1: per-rank token budgets, RL-aware priority, pause/resume, group affinity.
 
     Each rank's usage (current sizes, and the grown sizes admission plans with) is cached:
@@ -347,12 +351,6 @@ class CTBScheduler(ReleaseValve, TaskTable):
         return max((r for r in ranks if self._fits(t, r)),
                    key=lambda r: (self.budget(r) - self.usage(r), -r))
 
-    def _pausable(self, t: Task) -> bool:
-        """Eviction candidate for an eval task: a task inside its prefill/decode finishes that
-        turn on its rank (pausing it would resume it elsewhere mid-turn), one admitted this
-        round has not started, and an eval task blocks the weight sync as much as `t` does."""
-        return not (t.is_eval or t.executing or t.task_id in self._fresh)
-
     def schedule(self) -> list[Decision]:
         """One scheduling round; returns the decisions in the order they must be applied."""
         out: list[Decision] = []
@@ -473,52 +471,6 @@ class CTBScheduler(ReleaseValve, TaskTable):
             self._fresh.add(t.task_id)
             out.append(Admit(t.task_id, rank))
 
-    def _preemptible_rank(self, t: Task, ranks: list[int]) -> int | None:
-        """A rank where pausing non-eval tasks makes room for eval task `t`, if any."""
-        size = self._probe_size(t)
-        cap = self.max_tasks_per_rank
-        for r in ranks:
-            active = self._active[r]
-            keep = [s for s in active.values() if not self._pausable(s)]
-            if len(keep) == len(active) or (cap is not None and len(keep) >= cap):
-                continue
-            if self._n_active - (len(active) - len(keep)) >= self.cfg.env_concurrency:
-                continue
-            if self._sum_usage([(s, self.footprint(s)) for s in keep] + [(t, size)]) \
-                    <= self.budget(r):
-                return r
-        return None
-
-    def _preempt_on(self, t: Task, r: int) -> list[Decision]:
-        """Pauses pausable tasks on `r`, lowest priority first, until `t` fits there; it does
-        once all are paused (what `_preemptible_rank` checked)."""
-        out: list[Decision] = []
-        victims = sorted((s for s in self._active[r].values() if self._pausable(s)),
-                         key=lambda s: (self.priority(s), s.task_id))
-        for victim in victims:
-            if self._fits(t, r) and self._n_active < self.cfg.env_concurrency:
-                break
-            self._pause(victim, r, out)
-        return out
-
-    def _pick_eval_by_preemption(self, ranks: list[int], out: list[Decision],
-                                 stuck: set[str]) -> tuple[Task, int] | None:
-        if self.admission_limit is not None and self.admission_limit <= 0:
-            return None
-        for gid in self._eval_groups():
-            tids = self.queue[gid]
-            if not tids or not self.tasks[tids[0]].is_eval or tids[0] in stuck:
-                continue
-            t = self.tasks[tids[0]]
-            r = self._preemptible_rank(t, ranks)
-            if r is None:
-                stuck.add(t.task_id)
-                continue
-            out.extend(self._preempt_on(t, r))
-            stuck.clear()
-            return t, r
-        return None
-
     def _pick_new(self, ranks: list[int], *, evals_only: bool = False
                   ) -> tuple[Task, int] | None:
         if evals_only:
@@ -554,43 +506,6 @@ class CTBScheduler(ReleaseValve, TaskTable):
                 best = (score, t, r)
         assert best is not None
         return best[1], best[2]
-
-
-class VanillaScheduler(TaskTable):
-    """Request-level continuous batching: a fixed cap on tasks in flight, no pausing.
-
-    Memory is not planned: a rank that runs out of pages evicts the KV of waiting tasks (LRU)
-    and re-prefills them when their observation returns (the rank does that, not this class).
-    """
-
-    def priority(self, t: Task) -> float:
-        return 0.0
-
-    def schedule(self) -> list[Decision]:
-        out: list[Decision] = []
-        ranks = self.live_ranks()
-        cap = min(self.cfg.vanilla_concurrency, self.cfg.env_concurrency)
-
-        def least_loaded() -> int:
-            return min(ranks, key=lambda r: (len(self._active[r]), r))
-
-        for t in sorted(self._paused.values(), key=lambda t: t.task_id):  # off a dead rank
-            if self._n_active >= cap or not ranks:
-                break
-            rank = least_loaded()
-            self._move(t, "active", rank)
-            out.append(Resume(t.task_id, rank, True))
-        while self._n_active < cap and self._n_queued and ranks and self._take_admission():
-            gid, tids = next(iter(self.queue.items()))
-            while not tids:  # a group whose queued tasks were all finished before admission
-                self._unqueue_group(gid)
-                gid, tids = next(iter(self.queue.items()))
-            t = self.tasks[tids[0]]
-            self._dequeue(t, drop_empty=True)
-            rank = least_loaded()
-            self._move(t, "active", rank)
-            out.append(Admit(t.task_id, rank))
-        return out
 
 
 def make_scheduler(kind: str, cfg: CTBConfig, capacities: Iterable[int], *,

@@ -1,9 +1,9 @@
 """The schedulers' task table: tasks, groups, the queue and per-rank indexes. No JAX.
 
-Shared by CTB and the request-level baseline (`tiderl.serving.ctb`). A round makes many
-decisions over thousands of tasks, so nothing a decision reads may rescan every task: the
-active tasks of each rank, the paused tasks, the queue's size and eval groups, live tasks per
-type and the probes of each type are indexes kept up to date.
+Shared by CTB (`tiderl.serving.ctb`) and the request-level baseline (`vanilla`). A round
+makes many decisions over thousands of tasks, so nothing a decision reads may rescan every
+task: the active tasks of each rank, the paused tasks, the queue's size and eval groups, live
+tasks per type and the probes of each type are indexes kept up to date.
 """
 
 from __future__ import annotations
