@@ -533,6 +533,9 @@ def main() -> None:
                     help="multiply every workload's env latency (how the result depends on "
                          "the env-wait / compute ratio: a faster or slower machine)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1 timed run per contender is needed "
+                 "(medians, the alone replays); use --repeats 1 for a quick look")
     for kv in filter(None, args.ctb.split(",")):
         k, v = kv.split("=", 1)
         default = getattr(CTBConfig(), k)
