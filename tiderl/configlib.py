@@ -19,6 +19,10 @@ import yaml
 
 T = TypeVar("T")
 
+# Host names that only this machine can reach: a server bound to one of them needs no token.
+# "[::1]" is how an IPv6 loopback appears inside a URL or a host:port pair.
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
 
 class ConfigError(ValueError):
     """A config input is wrong; the message names the key and the fix."""

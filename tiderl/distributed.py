@@ -42,14 +42,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from tiderl.configlib import ConfigError
+from tiderl.configlib import LOOPBACK, ConfigError
 
 log = logging.getLogger(__name__)
 
 EXIT_PEER_LOST = 4
 """Exit code of a process stopped because another process of its world died."""
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,11 +7,10 @@ import re
 import secrets
 from typing import Literal
 
-from tiderl.configlib import ConfigError
+from tiderl.configlib import LOOPBACK, ConfigError
 
 SUITES = ("default", "gym", "textworld", "textarena")
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def is_spec(value: str) -> bool:
