@@ -26,7 +26,7 @@ orbax checkpoints. Faults, one run each, one after another:
 
 Engine and NaN faults need code inside the job: the job runs as
 `python benchmarks/chaos.py --child FAULT ... -- LAUNCH_ARGS`, which subclasses the real
-`tiderl.serving.engine.Engine` (installed as `tiderl.job.Engine`) or wraps
+`tiderl.serving.engine.Engine` (installed as `tiderl.runtime.job.Engine`) or wraps
 `tiderl.train.backend.TrainerBackend.apply`, then calls `tiderl.launch.main(LAUNCH_ARGS)`.
 Every run (faults outside the job too) goes through that wrapper so a hung job can be made to
 dump its threads, its await tree and its asyncio tasks (SIGUSR1) into its log before it is
@@ -91,7 +91,7 @@ class ChaosFault(RuntimeError):
 def install_engine_fault(kind: str, rank: int, marker: str) -> None:
     import itertools
 
-    import tiderl.job
+    import tiderl.runtime.job
     from tiderl.serving.engine import Engine
 
     counter = itertools.count()
@@ -100,7 +100,7 @@ def install_engine_fault(kind: str, rank: int, marker: str) -> None:
                     "update_weights", "flush")
 
     class ChaosEngine(Engine):
-        """tiderl.job builds one engine per rollout rank, in rank order: instance k is rank k."""
+        """tiderl.runtime.job builds one engine per rollout rank, in rank order: instance k is rank k."""
 
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
@@ -158,7 +158,7 @@ def install_engine_fault(kind: str, rank: int, marker: str) -> None:
         for name in device_calls:  # prefill goes through prefill_many; generate is above
             if name not in ("generate",):
                 setattr(ChaosEngine, name, dead(name))
-    tiderl.job.Engine = ChaosEngine
+    tiderl.runtime.job.Engine = ChaosEngine
 
 
 def install_nan_fault(first: int, every: bool, marker: str) -> None:

@@ -82,7 +82,7 @@ async def one(overrides: list[str], keep: str | None = None) -> dict:
     saw). `keep`: copy the run's metrics.jsonl to this path."""
     from tiderl.config import load_config
     from tiderl.control.metrics import read_metrics
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [*overrides, f"run_dir={tmp}"])

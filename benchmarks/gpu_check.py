@@ -105,8 +105,8 @@ SMOKE = Settings(platform="cpu", batches=(2,), context=32, max_context=64, decod
 
 # ------------------------------------------------------------------------------ helpers
 def _init(s: Settings, cache_dir: str):
-    """Starts JAX the way `python -m tiderl.launch` does (tiderl/platforms.py)."""
-    from tiderl.cluster import ClusterConfig, init_jax
+    """Starts JAX the way `python -m tiderl.launch` does (tiderl/runtime/platforms.py)."""
+    from tiderl.runtime.devices import ClusterConfig, init_jax
 
     if cache_dir:  # a rerun of the check skips compiling (read when the first compile starts)
         import jax

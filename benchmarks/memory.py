@@ -152,8 +152,8 @@ def child(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    if args.malloc != "default":  # as launch does with trainer.remat on the CPU (tiderl.cluster)
-        from tiderl.platforms import cpu_low_memory_malloc
+    if args.malloc != "default":  # as launch does with trainer.remat on the CPU (tiderl.runtime.devices)
+        from tiderl.runtime.platforms import cpu_low_memory_malloc
 
         cpu_low_memory_malloc(trim=args.malloc == "tuned")
     from tiderl.models.policy import abstract_policy, init_policy, serving_config, serving_params
@@ -301,7 +301,7 @@ def main() -> None:
                          "off with trainer.remat; --analyze follows XLA_FLAGS as set)")
     ap.add_argument("--malloc", choices=("tuned", "threshold", "default"), default="tuned",
                     help="tuned: as launch does with trainer.remat on the CPU "
-                         "(tiderl.platforms.cpu_low_memory_malloc: glibc's mmap threshold fixed "
+                         "(tiderl.runtime.platforms.cpu_low_memory_malloc: glibc's mmap threshold fixed "
                          "and malloc_trim after every compilation); threshold: the fixed "
                          "threshold alone; default: glibc's own dynamic threshold")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -315,11 +315,11 @@ def main() -> None:
         return
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))
-    from tiderl.cluster import CPU_LOW_MEMORY_FLAG
+    from tiderl.runtime.devices import CPU_LOW_MEMORY_FLAG
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)}
     env.pop("XLA_FLAGS", None)  # one real CPU device, no fake devices
-    if not args.concurrent_scheduler:  # as launch does with trainer.remat (tiderl.cluster)
+    if not args.concurrent_scheduler:  # as launch does with trainer.remat (tiderl.runtime.devices)
         env["XLA_FLAGS"] = CPU_LOW_MEMORY_FLAG
     results = []
     for name in args.variants.split(","):

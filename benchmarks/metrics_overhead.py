@@ -111,7 +111,7 @@ def instrument() -> None:
 async def one(name: str, steps: int, eval_every: int) -> dict:
     from tiderl.config import load_config
     from tiderl.control.metrics import read_metrics
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
 
     SPENT.clear()
     CLOCKS.clear()
@@ -157,7 +157,7 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=5, help="first steps left out (compilation)")
     p.add_argument("--eval-every", type=int, default=10)
     args = p.parse_args()
-    from tiderl.logs import setup_logging
+    from tiderl.control.logs import setup_logging
 
     setup_logging()  # the console contender really writes its lines (stderr)
     instrument()

@@ -59,12 +59,12 @@ def sync_worker(args: argparse.Namespace) -> None:
     """One process of the sync benchmark (spawned N times by `bench_sync`)."""
     import jax
 
-    from tiderl.cells import host_plan, role_map
-    from tiderl.cluster import ClusterConfig, init_jax, role_meshes
-    from tiderl.distributed import DistributedConfig, initialize
+    from tiderl.runtime.cells import host_plan, role_map
+    from tiderl.runtime.devices import ClusterConfig, init_jax, role_meshes
+    from tiderl.runtime.world import DistributedConfig, initialize
     from tiderl.models.config import ModelConfig
     from tiderl.models.policy import init_policy
-    from tiderl.weightsync import SyncPlan, SyncStats, local_replica, tree_bytes
+    from tiderl.runtime.weightsync import SyncPlan, SyncStats, local_replica, tree_bytes
 
     n, me = args.processes, args.process_id
     world = initialize(DistributedConfig(coordinator=args.coordinator, num_processes=n,
@@ -121,7 +121,7 @@ def sync_worker(args: argparse.Namespace) -> None:
 
 
 def bench_sync(args: argparse.Namespace, tmp: Path) -> dict:
-    from tiderl.distributed import free_port
+    from tiderl.runtime.world import free_port
 
     port = free_port()
     cmd = lambda i: [sys.executable, __file__, "--sync-worker", "--process-id", str(i),  # noqa: E731
@@ -157,7 +157,7 @@ def bench_sync(args: argparse.Namespace, tmp: Path) -> dict:
 def run_job(procs: int, world: int, steps: int, run_dir: Path, log_dir: Path) -> float:
     """The job laid out for `world` hosts, run on `procs` processes (1: one process with all
     `world` × 4 devices). Returns its wall time."""
-    from tiderl.localworld import LocalWorld
+    from tiderl.runtime.localworld import LocalWorld
 
     args = [f"run_dir={run_dir}", f"controller.steps={steps}",
             f"controller.checkpoint_every={steps}", f"rollout.ranks={world}",

@@ -144,7 +144,7 @@ def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch
 
     from tiderl.agents.endpoint import AgentEndpoint
     from tiderl.config import load_config
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
     from tiderl.serving.rollout import RolloutManager
     from tiderl.train.backend import TrainerBackend
 

@@ -71,7 +71,7 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
     assert "raised ValueError: no verdict for q3/m0" in " ".join(out.split())  # its message
 
     # Run C, uninterrupted (in-process: the compiled kernels are shared with the resume).
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
     from tiderl.launch import main
 
     whole = tmp_path / "whole"
@@ -119,7 +119,7 @@ def test_single_turn_task_file_with_a_reward_function(tmp_path, monkeypatch):
 def test_env_epochs_end_the_run_when_the_stream_runs_out(tmp_path, monkeypatch):
     """env.epochs=1 over 12 rows at 5 groups a step: steps of 5, 5 and the last 2 rows, then
     the run ends saying why (not an error)."""
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(PRESET[1], ["env.suite=", "env.epochs=1", "controller.steps=5",

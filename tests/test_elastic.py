@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from tiderl.cluster import CellLayout
+from tiderl.runtime.devices import CellLayout
 from tiderl.control.ers import CellMap, ERSConfig, RoleChange, moves_between
-from tiderl.elastic import CellRuntime, CompileWatch
+from tiderl.runtime.elastic import CellRuntime, CompileWatch
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
 from tiderl.serving.config import RolloutConfig
@@ -179,10 +179,10 @@ def test_world_cells_keep_a_trainer_cell_on_every_process():
     """The cells of two 4-device hosts (as `tests/test_multihost.py` runs them): the trainer
     mesh groups its cells by process, role maps number rollout ranks by cell, and the planner
     never takes a process's last trainer cell."""
-    from tiderl.cells import host_plan
-    from tiderl.cluster import cell_layout
+    from tiderl.runtime.cells import host_plan
+    from tiderl.runtime.devices import cell_layout
     from tiderl.control.ers import ERSPlanner, Signals
-    from tiderl.worldcells import KeepTrainerPerProcess, WorldCells
+    from tiderl.runtime.worldcells import KeepTrainerPerProcess, WorldCells
 
     plan = host_plan(n_processes=2, local_devices=4, ranks=4, devices_per_rank=1,
                      actor_devices=4, ref_devices=0, fsdp=2, model_parallel=1)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tiderl.configlib import ConfigError
-from tiderl.data import GrainTaskStream, task_streams
+from tiderl.runtime.taskstream import GrainTaskStream, task_streams
 from tiderl.envs.config import EnvConfig
 from tiderl.envs.taskfile import FileSource, read_rows
 from tiderl.envs.tasks import TaskSource, eval_tasks

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tiderl.config import load_config
-from tiderl.job import run_job
+from tiderl.runtime.job import run_job
 
 pytestmark = pytest.mark.entry
 
@@ -73,7 +73,7 @@ def test_env_keys_reach_the_episode_runner_and_config_stop_tokens_add_to_the_tem
         tmp_path, monkeypatch):
     """env.max_turns is the episode runner's turn limit, every env.eval_groups group is
     evaluated, and rollout.stop_tokens reach the engines next to the template's stop id."""
-    import tiderl.job as job
+    import tiderl.runtime.job as job
 
     seen: dict = {}
 
@@ -110,7 +110,7 @@ def test_extra_stop_token_from_config_ends_actions():
     import numpy as np
 
     from tiderl.envs.templates import template_for
-    from tiderl.job import rollout_config_for
+    from tiderl.runtime.parts import rollout_config_for
     from tiderl.models.policy import init_policy
     from tiderl.models.tokenizer import ByteTokenizer
     from tiderl.serving.engine import Engine

@@ -62,7 +62,7 @@ def test_ers_on_with_roles_that_cannot_move_is_a_config_error(extra, key):
 
 
 def test_compile_cache_respects_the_environment_and_is_off_with_several_processes(tmp_path):
-    from tiderl.cluster import ClusterConfig, compile_cache_dir
+    from tiderl.runtime.devices import ClusterConfig, compile_cache_dir
 
     env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
     run = str(tmp_path / "run")

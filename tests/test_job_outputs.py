@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tiderl.config import load_config
-from tiderl.job import run_job
+from tiderl.runtime.job import run_job
 
 pytestmark = pytest.mark.entry
 

@@ -108,7 +108,7 @@ def test_system_prompt_needs_a_template_with_a_system_role(tmp_path):
 
 def test_new_run_sets_the_previous_one_aside(tmp_path):
     """A fresh run in a folder holding a run moves that run to `<dir>.<k>`; nothing is lost."""
-    from tiderl.job import set_aside_previous_run
+    from tiderl.runtime.job import set_aside_previous_run
 
     run = tmp_path / "default"
     assert set_aside_previous_run(run) is None  # nothing there yet
@@ -133,7 +133,7 @@ def test_messages_print_once_even_after_a_library_called_basic_config():
     from rich.logging import RichHandler
 
     from tiderl.launch import setup_logging
-    from tiderl.logs import _PlainHandler
+    from tiderl.control.logs import _PlainHandler
 
     root = logging.getLogger()
     saved = list(root.handlers)

@@ -122,7 +122,7 @@ def test_policy_contract_is_checked_with_a_message_naming_the_policy():
 def test_custom_policy_is_served_and_trained(tmp_path):
     """examples/custom_policy.py end to end: the engine serves it from the paged KV cache, the
     trainer updates it, and the checkpoint holds its weights."""
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
 
     run = tmp_path / "run"
     cfg = load_config(None, [*TINY, f"run_dir={run}", "controller.steps=2",
@@ -137,7 +137,7 @@ def test_custom_policy_is_served_and_trained(tmp_path):
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path):
-    from tiderl.launch import build
+    from tiderl.runtime.build import build
     from tiderl.train.backend import TrainerBackend
     from tiderl.train.checkpoint import Checkpointer
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiderl.localworld import LocalWorld
+from tiderl.runtime.localworld import LocalWorld
 
 pytestmark = pytest.mark.entry
 

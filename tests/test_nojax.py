@@ -5,11 +5,11 @@ import subprocess
 import sys
 
 NO_JAX = [
-    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.cluster", "tiderl.platforms",
+    "tiderl", "tiderl.config", "tiderl.configlib", "tiderl.runtime.devices", "tiderl.runtime.platforms",
     "tiderl.models", "tiderl.models.config", "tiderl.models.tokenizer",
     "tiderl.control", "tiderl.control.controller", "tiderl.control.buffer", "tiderl.control.ers",
     "tiderl.control.metrics", "tiderl.control.config", "tiderl.control.progress",
-    "tiderl.control.samples", "tiderl.control.sinks", "tiderl.logs", "tiderl.report",
+    "tiderl.control.samples", "tiderl.control.sinks", "tiderl.control.logs", "tiderl.report",
     "tiderl.control.roles", "tiderl.control.boundary",
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
@@ -26,8 +26,8 @@ NO_JAX = [
     "tiderl.serving.ctb_config", "tiderl.serving.valve", "tiderl.serving.preempt",
     "tiderl.serving.vanilla",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
-    "tiderl.distributed", "tiderl.channel", "tiderl.cells", "tiderl.wire", "tiderl.agent",
-    "tiderl.localworld", "tiderl.supervise", "tiderl.control.promserve",
+    "tiderl.runtime.world", "tiderl.runtime.channel", "tiderl.runtime.cells", "tiderl.runtime.wire", "tiderl.runtime.remote_rank",
+    "tiderl.runtime.localworld", "tiderl.runtime.supervise", "tiderl.control.promserve",
 ]
 
 

@@ -14,8 +14,8 @@ import jax
 import pytest
 from jax._src.lib import _jax
 
-from tiderl.agent import HostAgent, RemoteRank, Router
-from tiderl.distributed import World, free_port
+from tiderl.runtime.remote_rank import HostAgent, RemoteRank, Router
+from tiderl.runtime.world import World, free_port
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
 from tiderl.serving.config import RolloutConfig

@@ -465,7 +465,7 @@ def test_engine_serves_a_custom_policy_with_full_logits():
 
 REMAT_PROBE = r"""
 import json, sys
-from tiderl.cluster import ClusterConfig, init_jax
+from tiderl.runtime.devices import ClusterConfig, init_jax
 init_jax(ClusterConfig(platform="cpu", fake_cpu_devices=1), low_memory=sys.argv[1] == "1")
 import dataclasses
 import jax
@@ -513,7 +513,7 @@ def test_launch_keeps_remat_effective_on_the_cpu():
 TRIM_PROBE = """
 import sys
 import jax
-from tiderl import platforms
+from tiderl.runtime import platforms
 assert platforms.cpu_low_memory_malloc(trim=sys.argv[1] == "1")
 before = platforms.TRIMS[0]
 jax.jit(lambda x: x * 2 + 1)(jax.numpy.ones(3)).block_until_ready()

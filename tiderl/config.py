@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.cluster import ClusterConfig, DevicePlan, cell_size_for, plan_devices
 from tiderl.configlib import (
     ConfigError,
     apply_overrides,
@@ -22,9 +21,10 @@ from tiderl.configlib import (
     to_dict,
 )
 from tiderl.control.config import ControllerConfig
-from tiderl.distributed import DistributedConfig
 from tiderl.envs.config import EnvConfig
 from tiderl.models.config import ModelConfig
+from tiderl.runtime.devices import ClusterConfig, DevicePlan, cell_size_for, plan_devices
+from tiderl.runtime.world import DistributedConfig
 from tiderl.serving.config import RolloutConfig
 from tiderl.train.config import TrainerConfig
 
@@ -163,7 +163,7 @@ class RunConfig:
     def device_plan(self, n_devices: int, platform: str = "cpu") -> DevicePlan:
         """Roles on `n_devices` devices of `platform` (the one JAX started on): its defaults
         (`cluster.colocate_rollout=auto`) and the remedy a plan that does not fit names."""
-        from tiderl.platforms import resolve_colocate
+        from tiderl.runtime.platforms import resolve_colocate
 
         r, t = self.rollout, self.trainer
         colocate = self.controller.mode == "sync" or resolve_colocate(

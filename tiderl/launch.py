@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tiderl.config import RunConfig, load_config
 from tiderl.configlib import ConfigError
-from tiderl.distributed import WorldError
-from tiderl.logs import setup_logging
+from tiderl.control.logs import setup_logging
+from tiderl.runtime.world import WorldError
 
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
@@ -122,56 +122,10 @@ def check_env(cfg: RunConfig) -> None:
         raise ConfigError(why)
 
 
-def build(cfg: RunConfig):
-    """Starts JAX and returns (devices, plan, meshes, graphdef, params)."""
-    import jax
-
-    from tiderl.cells import device_plan_for
-    from tiderl.cluster import compile_cache_dir, enable_compile_cache, init_jax, role_meshes
-    from tiderl.distributed import initialize
-    from tiderl.models.policy import abstract_policy, check_contract, init_policy
-
-    world = initialize(cfg.distributed)  # before any JAX backend starts; one process: no-op
-    if cfg.cluster.fake_cpu_devices and cfg.cluster.platform == "cpu":
-        # Validate the plan before JAX starts when the device count is known up front.
-        device_plan_for(cfg, world.size, cfg.cluster.fake_cpu_devices)
-    devices = init_jax(cfg.cluster, low_memory=cfg.trainer.remat)
-    # Several processes (asked for, or found): no persistent cache (see compile_cache_dir).
-    enable_compile_cache(compile_cache_dir(
-        cfg.cluster, cfg.run_dir,
-        processes=max(world.size, cfg.distributed.num_processes, jax.process_count())))
-    plan = device_plan_for(cfg, world.size, len(devices) // world.size, devices[0].platform)
-    meshes = role_meshes(plan, devices, fsdp=cfg.trainer.fsdp,
-                         model_parallel=cfg.trainer.model_parallel)
-    # The graphdef always comes from cfg.model: its shape is the checkpoint's (load_config
-    # resolved it) and its numerics (compute dtype) are the run's.
-    graphdef, abstract = abstract_policy(cfg.model)
-    if cfg.model.checkpoint:
-        from flax import nnx
-
-        from tiderl.models.hf import from_pretrained
-
-        _, params = nnx.split(from_pretrained(cfg.model.checkpoint, dtype=cfg.model.param_dtype,
-                                              mesh=meshes["actor"],
-                                              scan_layers=cfg.model.scan_layers))
-    elif cfg.model.init_from:
-        from tiderl.config import split_init_from
-        from tiderl.export import load_run_params
-        from tiderl.models.policy import convert_layout
-
-        source = load_run_params(*split_init_from(cfg.model.init_from), mesh=meshes["actor"])
-        params = convert_layout(source.params, source.model, scan_layers=cfg.model.scan_layers)
-        params = jax.tree.map(lambda x, a: x.astype(a.dtype), params, abstract)
-    else:
-        graphdef, params = init_policy(cfg.model, seed=cfg.seed, mesh=meshes["actor"])
-    check_contract(graphdef, params, cfg.model)
-    return devices, plan, meshes, graphdef, params
-
-
 def describe_world(cfg: RunConfig, plan, n_devices: int) -> str:
     """The device plan, and on several processes the cells each one holds."""
-    from tiderl.cells import role_map
-    from tiderl.distributed import current
+    from tiderl.runtime.cells import role_map
+    from tiderl.runtime.world import current
 
     world = current()
     if world.size == 1:
@@ -217,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         if cfg.distributed.coordinator and not args.plan:
-            from tiderl.supervise import supervise, supervised
+            from tiderl.runtime.supervise import supervise, supervised
 
             if not supervised():  # the job runs in a child; its end becomes one clear line
                 return supervise(sys.argv[1:] if argv is None else list(argv),
@@ -227,12 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plan:
             import os
 
-            from tiderl.platforms import launch_env
+            from tiderl.runtime.platforms import launch_env
 
             c = cfg.cluster
             settings = launch_env(c.platform, fake_cpu_devices=c.fake_cpu_devices,
                                   memory_fraction=c.memory_fraction, environ=os.environ,
                                   low_memory=cfg.trainer.remat).notes
+            from tiderl.runtime.build import build
+
             devices, plan, _meshes, _graphdef, params = build(cfg)
             print(f"tiderl: {devices[0].platform} × {len(devices)} ({devices[0].device_kind}); "
                   f"mode={cfg.controller.mode}")
@@ -271,7 +227,7 @@ def _run(cfg: RunConfig, args: argparse.Namespace) -> dict:
     import asyncio
 
     from tiderl.control.controller import NonFiniteStop, StarvedStop
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
     from tiderl.serving.rollout import RolloutFailedError
 
     try:

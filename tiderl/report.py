@@ -312,7 +312,7 @@ def _cell(v: Any, fmt: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiderl.logs import setup_logging
+    from tiderl.control.logs import setup_logging
 
     p = argparse.ArgumentParser(prog="python -m tiderl.report",
                                 description="Plot a tiderl run folder's metrics.jsonl as PNGs "

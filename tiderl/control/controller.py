@@ -5,7 +5,7 @@
 
 It sees the rollout side through `RolloutManager` and the trainer through the backend contract
 (`submit(mb)`, `finish_step_async()`, `export_weights_async()`, `version`); device work and
-weight movement come in as coroutines from the JAX side (`tiderl.job`), which run them off the
+weight movement come in as coroutines from the JAX side (`tiderl.runtime.job`), which run them off the
 event loop's thread so env I/O (and an in-process env server) never stalls behind them. Every baseline is a mode of
 this one loop:
 
@@ -73,7 +73,7 @@ class TrainerPort(Protocol):
 
 
 class TaskStreamPort(Protocol):
-    """The task stream the controller draws groups from (`tiderl.data.GrainTaskStream` in a
+    """The task stream the controller draws groups from (`tiderl.runtime.taskstream.GrainTaskStream` in a
     run; any JAX-free iterator of the same shape in the simulator)."""
 
     position: int
@@ -111,7 +111,7 @@ class StarvedStop(RuntimeError):
 
 @dataclasses.dataclass
 class Hooks:
-    """JAX-side work the controller triggers (provided by `tiderl.job`, or fakes in tests)."""
+    """JAX-side work the controller triggers (provided by `tiderl.runtime.job`, or fakes in tests)."""
 
     sync_weights: Callable[[Any, int], Awaitable[dict | None]]
     """Moves exported weights (version v) to every rollout rank; stale KV is flushed there.

@@ -23,7 +23,7 @@ Interface (what a simulator implements to reuse the planner and the controller u
   (started) with what the change cost in seconds (`RoleChangeResult.cost`: `move_s`, `join_s`,
   any further numbers). The controller then adds the ranks, syncs weights to every live rank,
   and logs one `role_change` record with the plan's reason, the drain time and that cost.
-  The real implementation is `tiderl.elastic.CellRuntime`; a virtual-time one charges loop time.
+  The real implementation is `tiderl.runtime.elastic.CellRuntime`; a virtual-time one charges loop time.
 - `Hooks.compile_stats() -> {"compiles": n, "compile_s": s}` (optional, cumulative): lets the
   record count compilations during the change and during the step after it.
 - The trainer port may offer `uses_ref` (bool: the loss has a KL term), `cost_model(m_actor)

@@ -91,7 +91,7 @@ class MetricsSink:
         self._t0 = time.monotonic()
         self._live = None
         if console:
-            from tiderl.logs import console_is_terminal
+            from tiderl.control.logs import console_is_terminal
 
             if console_is_terminal():
                 from rich.live import Live

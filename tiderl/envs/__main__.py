@@ -56,7 +56,7 @@ async def serve(cfg: EnvConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiderl.logs import setup_logging
+    from tiderl.control.logs import setup_logging
 
     setup_logging()
     try:

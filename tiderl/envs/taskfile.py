@@ -1,6 +1,6 @@
 """Task files: the rows of a .jsonl, .parquet or saved Hugging Face `datasets` folder as a
 random-access source of GRPO groups, the same kind of source as a suite's seeds
-(`tiderl.envs.tasks.TaskSource`). No JAX; the run's grain pipeline (`tiderl.data`) reads it.
+(`tiderl.envs.tasks.TaskSource`). No JAX; the run's grain pipeline (`tiderl.runtime.taskstream`) reads it.
 
 Row g is group g: its `group_size` tasks are the row's fields plus the ids tiderl adds
 (`task_id`, `group_id`, `member`, `split`, `suite`), and that dict is what the environment's

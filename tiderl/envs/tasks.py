@@ -7,7 +7,7 @@ group_size}`; each task spec is what `/start` receives: `task_id`, `group_id`, `
 `TaskSource` is a random-access source (grain's RandomAccessDataSource protocol: `len`,
 `[g]`), the same kind as a task file (`tiderl.envs.taskfile.FileSource`). The order a run
 plays them in — shuffling per epoch, epochs, sharding by process, the checkpointable iterator —
-is the grain pipeline of `tiderl.data`, used by every run.
+is the grain pipeline of `tiderl.runtime.taskstream`, used by every run.
 
 Train and eval seeds are disjoint by construction: env_seed = task_seed + 2*g (+1 for eval).
 """

@@ -435,7 +435,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     import jax
 
     from tiderl.config import load_config
-    from tiderl.launch import build
+    from tiderl.runtime.build import build
 
     cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-calibrate"])
     devices, plan, meshes, graphdef, params = build(cfg)

@@ -1,7 +1,7 @@
 """A simulated job: the production control plane on cost-model backends at cluster scale.
 No JAX.
 
-`simulate_job(SimConfig(...))` builds exactly what `tiderl.job.run_job` builds — a `Controller`
+`simulate_job(SimConfig(...))` builds exactly what `tiderl.runtime.job.run_job` builds — a `Controller`
 over a `RolloutManager` of `RolloutRank`s under the CTB (or request-level) scheduler, a
 `ReadinessBuffer`, the production micro-batch planner — but with `SimEngine`s, a `SimTrainer`
 and a `SimAgentEnv` priced by one `CostModel`, and runs it on a virtual-time loop.

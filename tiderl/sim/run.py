@@ -27,7 +27,7 @@ from tiderl.train.dispatch import microbatches
 
 
 class SeedStream:
-    """The simulator's own JAX-free workload stream (a run's goes through grain, `tiderl.data`):
+    """The simulator's own JAX-free workload stream (a run's goes through grain, `tiderl.runtime.taskstream`):
     a suite's groups in seed order, with the controller's stream interface."""
 
     def __init__(self, source: TaskSource):
@@ -91,7 +91,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
 def main() -> int:
     import looptime  # the virtual clock: sleeps take no real time
 
-    from tiderl.logs import setup_logging
+    from tiderl.control.logs import setup_logging
 
     setup_logging()
 

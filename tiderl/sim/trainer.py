@@ -47,7 +47,7 @@ class SimMicroBatch:
 
 class SimMicroBatcher:
     """The controller's `make_microbatches` hook: the real planner, no packing; what does not
-    fill a micro-batch waits for the next call (as `tiderl.job.MicroBatcher`)."""
+    fill a micro-batch waits for the next call (as `tiderl.runtime.parts.MicroBatcher`)."""
 
     def __init__(self, *, n_ranks: int, rank_budget: int, order: str = "colocated",
                  balance: str = "lpt"):

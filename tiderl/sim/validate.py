@@ -3,7 +3,7 @@ the `cpu-fitted` profile, for all four modes and several seeds, compared step by
 
 The job is the embedded default (the default task, the tiny policy trained from scratch) with
 the overrides of `tiderl.sim.calibrate.VALIDATION_OVERRIDES` (a Ref phase, a heavy-tailed
-environment). Real runs go through `tiderl.job.run_job`, modes interleaved and rotated per seed
+environment). Real runs go through `tiderl.runtime.job.run_job`, modes interleaved and rotated per seed
 (machine load drifts hit every mode alike), after one untimed warm-up run per mode (JIT
 compilation is not modelled). Simulated runs build the same controller, scheduler, ranks,
 buffer and micro-batch planner from the same `RunConfig`, over `SimEngine`, `SimTrainer` and
@@ -53,7 +53,7 @@ def run_config(mode: str, steps: int, seed: int, run_dir: str) -> Any:
                               "controller.time_limit_s=0"])
 
 
-# -- the simulated twin of tiderl.job.run_job -------------------------------------------------
+# -- the simulated twin of tiderl.runtime.job.run_job -------------------------------------------------
 async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
                     trace: dict[tuple[str, int], str] | None = None) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
@@ -186,9 +186,9 @@ def prime_compiles(cfg: Any) -> int:
     import jax
 
     from tiderl.envs.templates import template_for
-    from tiderl.job import rollout_config_for, trainer_config_for_mode
-    from tiderl.launch import build
     from tiderl.models.tokenizer import load_tokenizer
+    from tiderl.runtime.build import build
+    from tiderl.runtime.parts import rollout_config_for, trainer_config_for_mode
     from tiderl.serving.engine import Engine
     from tiderl.serving.pages import PrefillRequest
     from tiderl.train.backend import TrainerBackend
@@ -231,7 +231,7 @@ def prime_compiles(cfg: Any) -> int:
 
 def run_real(cfg: Any) -> dict[str, Any]:
     from tiderl.control.metrics import read_metrics
-    from tiderl.job import run_job
+    from tiderl.runtime.job import run_job
 
     if cfg.env.suite_name != "default" or cfg.env.kind != "env":
         raise ValueError(f"validation records the default task's actions; env.suite="

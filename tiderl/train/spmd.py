@@ -8,8 +8,8 @@ every other process runs exactly that unit on its own control thread (`follow`).
     group   micro-batches to run through Ref and Actor (the host arrays travel; each process
             puts only its own rows on its devices: `jax.make_array_from_process_local_data`)
     finish  normalise, clip, AdamW update (version + 1)
-    sync    weights to the rollout ranks (`tiderl.weightsync`; the plan carries the role map)
-    remesh  an elastic role change (`tiderl.worldcells`): the Actor mesh over the new trainer
+    sync    weights to the rollout ranks (`tiderl.runtime.weightsync`; the plan carries the role map)
+    remesh  an elastic role change (`tiderl.runtime.worldcells`): the Actor mesh over the new trainer
             cells, the state moved there, the role map's next epoch, the sync plan for the new
             rollout ranks and their first weights (ranks of cells joining rollout)
     save    an orbax checkpoint (every process writes its shards; multi-host save)
@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tiderl.cells import RoleMap
+from tiderl.runtime.cells import RoleMap
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.dispatch import MicroBatch
 from tiderl.train.ref_actor import batch_sharding, dp_size
@@ -68,14 +68,14 @@ class SpmdTrainer(TrainerBackend):
         self.world = world
         self.channel = world.channel()
         self.syncer: Any = None
-        """`tiderl.hosts.SyncPlan` (set by the job): runs the `sync` unit."""
+        """`tiderl.runtime.hosts.SyncPlan` (set by the job): runs the `sync` unit."""
         self.ckpt: Any = None
         """`Checkpointer` (set by the job): runs the `save` unit."""
         self.on_synced: Callable[[dict, int, dict], None] | None = None
         """Follower side: hands each sync's rank weights to the host agent."""
         self.roles: RoleMap | None = None
         self.cells: Any = None
-        """`tiderl.worldcells.WorldCells` (set by the site when cells can move)."""
+        """`tiderl.runtime.worldcells.WorldCells` (set by the site when cells can move)."""
         self.make_syncer: Callable[[RoleMap], Any] | None = None
         """Role map → the `SyncPlan` for its rollout ranks (set by the site)."""
         self.on_joined: Callable[[dict, int], None] | None = None
@@ -164,7 +164,7 @@ class SpmdTrainer(TrainerBackend):
         return trees, wire_stats
 
     def _move_tree(self, tree: Any, shardings: Any) -> Any:
-        from tiderl.worldcells import move_replicated
+        from tiderl.runtime.worldcells import move_replicated
 
         moved, counts = move_replicated(tree, shardings, process=self.world.process_id)
         self._move_counts = counts  # the same for the state and the Ref (one mesh pair)

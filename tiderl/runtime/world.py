@@ -3,7 +3,7 @@ barriers with timeouts, and a clear stop when a process dies.
 
 One process per host. Process 0 (the leader) runs the asyncio controller and is also a host;
 every process owns the rollout ranks on its own devices and takes part in the trainer's SPMD
-steps (`tiderl.hosts`). Where the world comes from (`distributed.coordinator`):
+steps (`tiderl.runtime.hosts`). Where the world comes from (`distributed.coordinator`):
 
 - `''` (default): one process, no `jax.distributed` at all.
 - `'HOST:PORT'` with `distributed.num_processes` and `distributed.process_id` (the launch flags
@@ -23,7 +23,7 @@ A process that dies: the coordination service notices its missing heartbeats aft
 naming it and exits with code 4 (the checkpoints already written stay intact; restart every
 process with `--resume`). The service runs in recoverable mode so that this line, not JAX's
 abort of every process, is what users see. When process 0 itself dies the coordination service
-goes with it and JAX's client aborts the other processes at once; `tiderl.supervise` (the thin
+goes with it and JAX's client aborts the other processes at once; `tiderl.runtime.supervise` (the thin
 parent launch puts around each process) turns that into the same kind of line, naming
 process 0.
 
@@ -247,7 +247,7 @@ class World:
     # -- control channel and barriers ----------------------------------------------------------
     def channel(self):
         if self._channel is None:
-            from tiderl.channel import Channel
+            from tiderl.runtime.channel import Channel
 
             self._channel = Channel(self)
         return self._channel

@@ -1,8 +1,8 @@
 """Elastic scaling across processes: cells of a multi-host world change roles at one point of
 the trainer's plan stream, on every process.
 
-The cells are those of one process's elastic scaling (`tiderl.cluster.cell_layout`), laid over
-the world's device plan (`tiderl.cells.host_plan`: every host's rollout devices, then every
+The cells are those of one process's elastic scaling (`tiderl.runtime.devices.cell_layout`), laid over
+the world's device plan (`tiderl.runtime.cells.host_plan`: every host's rollout devices, then every
 host's trainer devices), so a cell never spans processes: cell c of `layout.cells` sits on the
 process that owns its devices, and serves rollout ranks c·k … c·k + k − 1 when in rollout.
 
@@ -40,10 +40,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from tiderl.cells import Cell, RoleMap
-from tiderl.cluster import CellLayout
 from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult
 from tiderl.models.sharding import make_mesh
+from tiderl.runtime.cells import Cell, RoleMap
+from tiderl.runtime.devices import CellLayout
 from tiderl.train.ref_actor import dp_size
 
 log = logging.getLogger(__name__)

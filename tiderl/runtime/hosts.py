@@ -1,12 +1,12 @@
 """Where a job runs: this process alone, or one JAX world of several (one process per host).
 
-`tiderl.job.run_job` asks its site for the few things that differ (`site_for(cfg)`):
+`tiderl.runtime.job.run_job` asks its site for the few things that differ (`site_for(cfg)`):
 
 - `LocalSite` (one process): today's `TrainerBackend`, an engine per rollout rank, weights
   resharded in-process, checkpoints on the trainer's worker thread.
 - `LeaderSite` (process 0 of several): the same job with `SpmdTrainer` (each unit of device
   work published on the plan stream before it runs, `tiderl.train.spmd`), a rank list mixing
-  its own `RolloutRank`s with `RemoteRank`s of the other processes (`tiderl.agent`), weight
+  its own `RolloutRank`s with `RemoteRank`s of the other processes (`tiderl.runtime.remote_rank`), weight
   syncs and checkpoints as plan units, and at the end the other processes' plan closed and
   the world left in order. The controller, the env client, metrics and the run folder are
   process 0's alone.
@@ -16,7 +16,7 @@
   0 says stop.
 
 With elastic scaling on, `LeaderSite.elastic` gives the job the role-change hook across
-processes (`tiderl.worldcells.WorldCellRuntime`): each change is a `remesh` plan unit; a
+processes (`tiderl.runtime.worldcells.WorldCellRuntime`): each change is a `remesh` plan unit; a
 follower's agent starts the ranks of its cells joining rollout and drains those leaving.
 
 The contract that keeps the world in step: every JAX call in `run_job` that spans processes,
@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.agent import HostAgent, RemoteRank, Router
-from tiderl.cells import RoleMap, role_map
 from tiderl.config import RunConfig
 from tiderl.configlib import ConfigError
-from tiderl.distributed import DistributedConfig, StoppedByLeader, World, initialize
+from tiderl.runtime.cells import RoleMap, role_map
+from tiderl.runtime.remote_rank import HostAgent, RemoteRank, Router
+from tiderl.runtime.world import DistributedConfig, StoppedByLeader, World, initialize
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LocalSite:
 
     async def ranks(self, cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
                     rcfg: Any) -> tuple[list[Any], Any]:
-        from tiderl.job import local_ranks
+        from tiderl.runtime.parts import local_ranks
 
         return await local_ranks(cfg, trainer, graphdef, meshes, rcfg)
 
@@ -100,7 +100,7 @@ def _sync_plan(cfg: RunConfig, world: World, trainer: Any, roles: RoleMap,
                rank_meshes: Sequence[Any], tag: str = ""):
     """The weight sync from the trainer's current mesh to the rollout ranks of `roles`
     (`rank_meshes` in their order; `tag` keeps a later epoch's transfers apart)."""
-    from tiderl.weightsync import SyncPlan
+    from tiderl.runtime.weightsync import SyncPlan
 
     ranks = roles.rollout()
     return SyncPlan(process=world.process_id, size=world.size, rank_meshes=list(rank_meshes),
@@ -128,12 +128,12 @@ def _own_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, rcfg: Any, trees: di
 
 
 def world_cells(cfg: RunConfig, plan: Any, world: World) -> Any:
-    """The world's cells for elastic scaling (`tiderl.worldcells`), or None (with the reason
+    """The world's cells for elastic scaling (`tiderl.runtime.worldcells`), or None (with the reason
     logged) when the roles are not whole cells inside each process."""
     import jax
 
-    from tiderl.cluster import cell_layout
-    from tiderl.worldcells import WorldCells
+    from tiderl.runtime.devices import cell_layout
+    from tiderl.runtime.worldcells import WorldCells
 
     t = cfg.trainer
     if cfg.rollout.devices_per_rank != 1 or plan.ref:
@@ -149,7 +149,7 @@ def world_cells(cfg: RunConfig, plan: Any, world: World) -> Any:
 
 def _bind_cells(cfg: RunConfig, world: World, trainer: Any, cells: Any) -> None:
     """Lets the trainer's `remesh` unit rebuild the sync plan for each new role map."""
-    from tiderl.weightsync import SyncPlan
+    from tiderl.runtime.weightsync import SyncPlan
 
     trainer.cells = cells
     if cells is None:
@@ -195,8 +195,8 @@ class LeaderSite(LocalSite):
                     rcfg: Any) -> tuple[list[Any], Any]:
         import jax
 
-        from tiderl.cells import device_plan_for
-        from tiderl.weightsync import SyncStats
+        from tiderl.runtime.cells import device_plan_for
+        from tiderl.runtime.weightsync import SyncStats
 
         local = jax.local_device_count()
         roles = _rank_cells(cfg, device_plan_for(cfg, self.world.size, local), local)
@@ -232,10 +232,10 @@ class LeaderSite(LocalSite):
 
     def elastic(self, cfg: RunConfig, plan: Any, trainer: Any, batcher: Any, graphdef: Any,
                 rcfg: Any) -> Any:
-        """The role-change hook across processes (`tiderl.worldcells.WorldCellRuntime`), or
+        """The role-change hook across processes (`tiderl.runtime.worldcells.WorldCellRuntime`), or
         None when the roles are not whole cells. Every process binds the same cells (the
         followers in `prologue`)."""
-        from tiderl.worldcells import WorldCellRuntime
+        from tiderl.runtime.worldcells import WorldCellRuntime
 
         cells = world_cells(cfg, plan, self.world)
         _bind_cells(cfg, self.world, trainer, cells)
@@ -290,11 +290,16 @@ class FollowerSite(LocalSite):
     follower = True
 
     async def follow(self, resume: bool) -> dict:
+        from tiderl.runtime.build import start_devices
+
         world, cfg = self.world, self.cfg
+        # JAX starts on every process before process 0 touches the run folder (it checks the
+        # device plan first), so this process's backend joins the world's before the barrier.
+        devices, plan = start_devices(cfg)
         await asyncio.to_thread(world.barrier, "run_dir")
         world.hint = (f"the checkpoints in {Path(cfg.run_dir) / 'checkpoints'} are intact: "
                       f"restart every process with --resume {cfg.run_dir}")
-        trainer, ckpt, ranks = self.prologue(resume)
+        trainer, ckpt, ranks = self.prologue(resume, devices, plan)
         agent = HostAgent(world, list(ranks.values()), make_rank=self._make_rank)
         trainer.on_synced = agent.weights
         trainer.on_joined = agent.join
@@ -320,19 +325,19 @@ class FollowerSite(LocalSite):
             raise StoppedByLeader(f"process 0 stopped the run: {out['reason']}")
         return {"process": world.process_id, "ended": "completed (host agent)"}
 
-    def prologue(self, resume: bool) -> tuple[Any, Any, dict]:
+    def prologue(self, resume: bool, devices: list, plan: Any) -> tuple[Any, Any, dict]:
         """`run_job`'s steps that span processes, in its order (see the module docstring)."""
         import jax
 
         from tiderl.envs.templates import template_for
-        from tiderl.job import rollout_config_for, trainer_config_for_mode
-        from tiderl.launch import build
         from tiderl.models.tokenizer import load_tokenizer
+        from tiderl.runtime.build import build_policy
+        from tiderl.runtime.parts import rollout_config_for, trainer_config_for_mode
         from tiderl.train.checkpoint import Checkpointer
         from tiderl.train.spmd import SpmdTrainer
 
         cfg = self.cfg
-        _, plan, meshes, graphdef, params = build(cfg)
+        meshes, graphdef, params = build_policy(cfg, devices, plan)
         rcfg = rollout_config_for(cfg, template_for(load_tokenizer(cfg.model.tokenizer),
                                                     "auto"))
         trainer = SpmdTrainer(trainer_config_for_mode(cfg), cfg.model,

@@ -6,10 +6,10 @@ and the episode runners never know where a rank lives. A `RemoteRank` forwards e
 message on the "rank" stream to that process's `HostAgent`, which owns the real `RolloutRank`s
 (engines on its own devices, driven only by it) and answers on the "reply" stream. Streams are
 ordered, so a task's turn, pause, resume, release and finish arrive in the order they were
-made. Tasks migrating between processes carry their `Handoff` in plain data (`tiderl.wire`).
+made. Tasks migrating between processes carry their `Handoff` in plain data (`tiderl.runtime.wire`).
 
 Weights are not messages: the sync unit of the plan stream moves them device to device
-(`tiderl.weightsync`), and the agent acks each rank's swap ("swapped"), which is what
+(`tiderl.runtime.weightsync`), and the agent acks each rank's swap ("swapped"), which is what
 `RemoteRank.update_weights` waits for.
 
 Sends never block the event loop: each direction has a sender thread (a key-value store write
@@ -26,8 +26,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from tiderl import wire
-from tiderl.channel import ChannelClosed
+from tiderl.runtime import wire
+from tiderl.runtime.channel import ChannelClosed
 from tiderl.serving.rank import RankFailedError, RankStats, RolloutRank
 
 log = logging.getLogger(__name__)

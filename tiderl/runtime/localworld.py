@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tiderl.distributed import free_port
+from tiderl.runtime.world import free_port
 
 
 class LocalWorld:

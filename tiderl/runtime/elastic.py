@@ -32,9 +32,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from tiderl.cluster import CellLayout
 from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult
 from tiderl.models.sharding import make_mesh
+from tiderl.runtime.devices import CellLayout
 from tiderl.train.ref_actor import dp_size
 
 log = logging.getLogger(__name__)

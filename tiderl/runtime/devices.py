@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 from tiderl.configlib import ConfigError
-from tiderl.platforms import CPU_LOW_MEMORY_FLAG, Platform, plan_remedy
+from tiderl.runtime.platforms import CPU_LOW_MEMORY_FLAG, Platform, plan_remedy
 
 if TYPE_CHECKING:
     import jax
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
-    """Where the job runs (per-platform handling: tiderl/platforms.py)."""
+    """Where the job runs (per-platform handling: tiderl/runtime/platforms.py)."""
 
     platform: Platform = "auto"
     """'auto' (an accelerator JAX finds, else the CPU), 'cpu', 'gpu' or 'tpu'. An explicit
@@ -116,7 +116,7 @@ __all__ = ["CPU_LOW_MEMORY_FLAG", "ClusterConfig", "DevicePlan", "init_jax", "pl
 
 
 def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device]:
-    """Configures and starts JAX per `cfg` (see tiderl/platforms.py); returns the visible
+    """Configures and starts JAX per `cfg` (see tiderl/runtime/platforms.py); returns the visible
     devices of the platform it started on.
 
     `low_memory` (launch passes `trainer.remat`) adds XLA:CPU's memory-ordered scheduler on
@@ -127,7 +127,7 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
 
     import jax
 
-    from tiderl.platforms import check_platform, launch_env
+    from tiderl.runtime.platforms import check_platform, launch_env
 
     env = launch_env(cfg.platform, fake_cpu_devices=cfg.fake_cpu_devices,
                      memory_fraction=cfg.memory_fraction, environ=os.environ,
@@ -140,7 +140,7 @@ def init_jax(cfg: ClusterConfig, *, low_memory: bool = False) -> list[jax.Device
     devices = list(jax.devices())
     check_platform(cfg.platform, devices[0].platform)
     if low_memory and devices[0].platform == "cpu":
-        from tiderl.platforms import cpu_low_memory_malloc
+        from tiderl.runtime.platforms import cpu_low_memory_malloc
 
         cpu_low_memory_malloc()  # host memory is the device's: freed buffers go back
     return devices

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from tiderl.cluster import DevicePlan, plan_devices
 from tiderl.configlib import ConfigError
+from tiderl.runtime.devices import DevicePlan, plan_devices
 
 Role = Literal["rollout", "actor", "ref"]
 
@@ -125,7 +125,7 @@ def device_plan_for(cfg, n_processes: int, local_devices: int,
     """The run's device plan: `cfg.device_plan` in one process, `host_plan` across several."""
     if n_processes == 1:
         return cfg.device_plan(local_devices, platform)
-    from tiderl.platforms import resolve_colocate
+    from tiderl.runtime.platforms import resolve_colocate
 
     t, r = cfg.trainer, cfg.rollout
     n = n_processes * local_devices

@@ -5,7 +5,7 @@ A stream is (destination, name, source); its messages carry consecutive sequence
 their keys (`tiderl/m/<dst>/<name>/<src>/<seq>`), so the receiver reads them in order with
 blocking gets and deletes each after reading. One thread sends and one thread receives per
 stream at a time; `send` is safe from several threads (the sequence number is taken under a
-lock). Messages are `tiderl.wire` dicts (JSON + numpy buffers, no pickle).
+lock). Messages are `tiderl.runtime.wire` dicts (JSON + numpy buffers, no pickle).
 
 Round trip on loopback: ~1.5 ms (measured with 2 processes on this 2-core machine). Values go
 through the coordinator's gRPC service: fine for control messages and micro-batch host arrays
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from tiderl import wire
+from tiderl.runtime import wire
 
 
 class ChannelClosed(RuntimeError):

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from tiderl.distributed import EXIT_PEER_LOST
+from tiderl.runtime.world import EXIT_PEER_LOST
 
 ENV = "TIDERL_SUPERVISED"
 FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
