@@ -3,6 +3,7 @@ compilation cache for the whole session (its subprocesses included)."""
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same kernels (the tiny default model's engine and trainer steps), and
@@ -25,11 +26,33 @@ if jax is not None:
     jax.config.update("jax_enable_x64", False)
 
 
+# Tests write run folders under tmp_path only: the checkout's runs/ (where a user's own
+# `python -m tiderl.launch` writes) must be the same after the suite as before it.
+_CHECKOUT_RUNS = Path(__file__).resolve().parent.parent / "runs"
+
+
+def _checkout_runs() -> list[tuple[str, int]]:
+    if not _CHECKOUT_RUNS.exists():
+        return []
+    return sorted((str(p.relative_to(_CHECKOUT_RUNS)), p.stat().st_mtime_ns)
+                  for p in _CHECKOUT_RUNS.rglob("*"))
+
+
+def pytest_sessionstart(session):
+    session.config._tiderl_runs = _checkout_runs()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _CACHE is not None:
         import shutil
 
         shutil.rmtree(_CACHE, ignore_errors=True)
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once
+        return
+    if _checkout_runs() != session.config._tiderl_runs:
+        print(f"\nerror: the test suite changed {_CHECKOUT_RUNS} (a test ran a job without a "
+              "run_dir under tmp_path)")
+        session.exitstatus = 1
 
 
 # The longest files first (measured seconds on the 2-core machine, rounded): the two xdist

@@ -1,8 +1,10 @@
 """The entry point: runs on the embedded default and on a preset; bad input exits 2 in one line."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,8 +134,8 @@ def test_messages_print_once_even_after_a_library_called_basic_config():
 
     from rich.logging import RichHandler
 
-    from tiderl.launch import setup_logging
     from tiderl.control.logs import _PlainHandler
+    from tiderl.launch import setup_logging
 
     root = logging.getLogger()
     saved = list(root.handlers)
@@ -177,3 +179,22 @@ def test_a_run_whose_groups_never_train_warns_then_stops_with_a_checkpoint(tmp_p
     assert "Traceback" not in out
     assert (run_dir / "checkpoints" / "0").is_dir()
     assert "stopped at step 0" in json.loads((run_dir / "summary.json").read_text())["ended"]
+
+
+def test_rejected_command_line_leaves_the_previous_run_in_place(tmp_path):
+    """The README's two commands in order: the first leaves runs/default; a command line the
+    device plan rejects (5 rollout ranks on 8 devices with 4 Actor and 2 Ref) then fails in one
+    line and moves nothing."""
+    root = Path(__file__).resolve().parent.parent
+    previous = tmp_path / "runs" / "default"
+    previous.mkdir(parents=True)
+    (previous / "metrics.jsonl").write_text('{"kind": "step", "step": 1}\n')
+    r = subprocess.run([sys.executable, "-m", "tiderl.launch", "--config",
+                        str(root / "configs" / "tiny-8dev.yaml"), "rollout.ranks=5"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rollout.ranks" in lines[0], r.stderr
+    assert (previous / "metrics.jsonl").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["default"]
