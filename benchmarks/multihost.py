@@ -59,12 +59,12 @@ def sync_worker(args: argparse.Namespace) -> None:
     """One process of the sync benchmark (spawned N times by `bench_sync`)."""
     import jax
 
-    from tiderl.runtime.cells import host_plan, role_map
-    from tiderl.runtime.devices import ClusterConfig, init_jax, role_meshes
-    from tiderl.runtime.world import DistributedConfig, initialize
     from tiderl.models.config import ModelConfig
     from tiderl.models.policy import init_policy
+    from tiderl.runtime.cells import host_plan, role_map
+    from tiderl.runtime.devices import ClusterConfig, init_jax, role_meshes
     from tiderl.runtime.weightsync import SyncPlan, SyncStats, local_replica, tree_bytes
+    from tiderl.runtime.world import DistributedConfig, initialize
 
     n, me = args.processes, args.process_id
     world = initialize(DistributedConfig(coordinator=args.coordinator, num_processes=n,

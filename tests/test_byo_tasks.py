@@ -71,8 +71,8 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
     assert "raised ValueError: no verdict for q3/m0" in " ".join(out.split())  # its message
 
     # Run C, uninterrupted (in-process: the compiled kernels are shared with the resume).
-    from tiderl.runtime.job import run_job
     from tiderl.launch import main
+    from tiderl.runtime.job import run_job
 
     whole = tmp_path / "whole"
     with caplog.at_level(logging.WARNING):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from tiderl.runtime import wire
-from tiderl.runtime.cells import Cell, RoleMap, host_plan, role_map
 from tiderl.config import load_config
 from tiderl.configlib import ConfigError
 from tiderl.control.promserve import MetricsServer
-from tiderl.runtime.world import DistributedConfig, WorldSpec, resolve
 from tiderl.envs.config import EnvConfig, with_default_token
+from tiderl.runtime import wire
+from tiderl.runtime.cells import Cell, RoleMap, host_plan, role_map
+from tiderl.runtime.world import DistributedConfig, WorldSpec, resolve
 from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import Handoff, RankStats, TurnResult
 

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from tiderl.runtime.devices import CellLayout
 from tiderl.control.ers import CellMap, ERSConfig, RoleChange, moves_between
-from tiderl.runtime.elastic import CellRuntime, CompileWatch
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
+from tiderl.runtime.devices import CellLayout
+from tiderl.runtime.elastic import CellRuntime, CompileWatch
 from tiderl.serving.config import RolloutConfig
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
@@ -179,9 +179,9 @@ def test_world_cells_keep_a_trainer_cell_on_every_process():
     """The cells of two 4-device hosts (as `tests/test_multihost.py` runs them): the trainer
     mesh groups its cells by process, role maps number rollout ranks by cell, and the planner
     never takes a process's last trainer cell."""
+    from tiderl.control.ers import ERSPlanner, Signals
     from tiderl.runtime.cells import host_plan
     from tiderl.runtime.devices import cell_layout
-    from tiderl.control.ers import ERSPlanner, Signals
     from tiderl.runtime.worldcells import KeepTrainerPerProcess, WorldCells
 
     plan = host_plan(n_processes=2, local_devices=4, ranks=4, devices_per_rank=1,

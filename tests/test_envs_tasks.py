@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from tiderl.configlib import ConfigError
-from tiderl.runtime.taskstream import GrainTaskStream, task_streams
 from tiderl.envs.config import EnvConfig
 from tiderl.envs.taskfile import FileSource, read_rows
 from tiderl.envs.tasks import TaskSource, eval_tasks
+from tiderl.runtime.taskstream import GrainTaskStream, task_streams
 
 
 def take(it, n):

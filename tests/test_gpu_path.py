@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tiderl.runtime.devices import ClusterConfig
 from tiderl.config import load_config
 from tiderl.configlib import ConfigError
 from tiderl.models.attention import (
@@ -31,6 +30,7 @@ from tiderl.models.attention import (
 )
 from tiderl.models.config import ModelConfig
 from tiderl.models.layers import attend, packed_causal_mask
+from tiderl.runtime.devices import ClusterConfig
 from tiderl.runtime.platforms import (
     CPU_LOW_MEMORY_FLAG,
     GPU_XLA_FLAGS,

@@ -110,9 +110,9 @@ def test_extra_stop_token_from_config_ends_actions():
     import numpy as np
 
     from tiderl.envs.templates import template_for
-    from tiderl.runtime.parts import rollout_config_for
     from tiderl.models.policy import init_policy
     from tiderl.models.tokenizer import ByteTokenizer
+    from tiderl.runtime.parts import rollout_config_for
     from tiderl.serving.engine import Engine
     from tiderl.serving.pages import StopReason
 

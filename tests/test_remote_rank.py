@@ -14,10 +14,10 @@ import jax
 import pytest
 from jax._src.lib import _jax
 
-from tiderl.runtime.remote_rank import HostAgent, RemoteRank, Router
-from tiderl.runtime.world import World, free_port
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
+from tiderl.runtime.remote_rank import HostAgent, RemoteRank, Router
+from tiderl.runtime.world import World, free_port
 from tiderl.serving.config import RolloutConfig
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
