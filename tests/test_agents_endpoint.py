@@ -26,8 +26,8 @@ from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.pages import StopReason
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
-from tiderl.sim.engine import DigitActions
 from tiderl.sim.fakes import SimEngine
+from tiderl.sim.virtual_engine import DigitActions
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")

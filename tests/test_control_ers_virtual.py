@@ -26,7 +26,7 @@ from tiderl.models.tokenizer import ByteTokenizer
 from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
-from tiderl.sim.fakes import SimEngine, SimGuessEnv, SimTrainer
+from tiderl.sim.fakes import FlatTrainer, SimEngine, SimGuessEnv
 from tiderl.sim.run import SeedStream
 from tiderl.train.dispatch import microbatches
 
@@ -82,7 +82,7 @@ async def run(planner, cells, *, steps=6, capacity=96, tmp=None, fail_first=Fals
         if r is None:
             sched.remove_rank(i)
     env = SimGuessEnv(step_s=env_step_s)
-    trainer = SimTrainer(per_mb_s=0.5)
+    trainer = FlatTrainer(per_mb_s=0.5)
     changes = []
 
     async def apply_roles(change, weights):

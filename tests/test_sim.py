@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tiderl.sim.costs import CostModel, OpCost, load_profile, model_shape, profile_from_dict
+from tiderl.sim.costs import OpCost, SimCostModel, load_profile, model_shape, profile_from_dict
 from tiderl.sim.workloads import Sampler, workload
 
 
 @pytest.fixture(scope="module")
 def h100_7b():
-    return CostModel(load_profile("h100"), model_shape("qwen2.5-7b"))
+    return SimCostModel(load_profile("h100"), model_shape("qwen2.5-7b"))
 
 
 # -- cost models -----------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_workloads_reproduce_table_4_and_drift(name):
 
 # -- the simulated engine --------------------------------------------------------------------
 def _engine(**kw):
-    from tiderl.sim.engine import SimEngine
+    from tiderl.sim.virtual_engine import SimEngine
 
     s = Sampler({"webshop": workload("webshop")})
     s.plan("webshop", "task", 0)
@@ -148,7 +148,7 @@ def test_sim_engine_shares_a_groups_prompt_as_the_real_engine_does(split):
     simulated engine: G siblings' identical prompt is computed once (in one call, or by the
     first sibling and then taken from its kept logits)."""
     from tiderl.serving.pages import PrefillRequest
-    from tiderl.sim.engine import SimEngine
+    from tiderl.sim.virtual_engine import SimEngine
 
     G, prompt = 8, list(range(5, 18))
     runs = {}
@@ -171,7 +171,7 @@ def test_sim_engine_shares_a_groups_prompt_as_the_real_engine_does(split):
 
 def test_sim_engine_evicted_sibling_computes_only_its_own_tokens():
     from tiderl.serving.pages import PrefillRequest
-    from tiderl.sim.engine import SimEngine
+    from tiderl.sim.virtual_engine import SimEngine
 
     e = SimEngine(num_pages=64, page_size=4, max_slots=4, max_context=128, max_action_tokens=3)
     prompt = list(range(5, 18))  # 13 tokens: 3 full pages of 4, one partial
@@ -284,7 +284,7 @@ def test_ers_runs_through_the_one_hook_or_is_refused_clearly():
     no step is lost. Without it, asking for ERS is a clear error and fixed splits still run."""
     from tiderl.configlib import ConfigError
     from tiderl.sim.cluster import SimConfig, simulate_job
-    from tiderl.sim.ers import has_cells
+    from tiderl.sim.virtual_ers import has_cells
 
     cfg = SimConfig(mode="tiderl", planner="ers", **{**SMALL, "steps": 3, "eval_every": 0})
     if not has_cells():
@@ -502,13 +502,13 @@ def test_virtual_loop_keeps_looptimes_schedule(monkeypatch):
 
 
 def test_decode_cost_closure_is_the_cost_model():
-    """The simulated engine's hoisted decode cost gives `CostModel.decode`'s floats exactly."""
+    """The simulated engine's hoisted decode cost gives `SimCostModel.decode`'s floats exactly."""
     import random
 
     rng = random.Random(0)
     for prof in ("h100", "cpu-fitted"):
         for model in ("qwen2.5-7b", "tiny"):
-            c = CostModel(load_profile(prof), model_shape(model))
+            c = SimCostModel(load_profile(prof), model_shape(model))
             for gpus in (1, 4):
                 fast = c.decode_fn(gpus)
                 for _ in range(300):

@@ -14,7 +14,7 @@ from tiderl.models.policy import init_policy
 from tiderl.models.sharding import make_mesh
 from tiderl.train.backend import TrainerBackend
 from tiderl.train.config import TrainerConfig
-from tiderl.train.dispatch import Trajectory, microbatches
+from tiderl.train.dispatch import TrainSequence, microbatches
 from tiderl.train.synthetic import synthetic_trajectories
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -211,7 +211,7 @@ def test_advise_mode_and_switch_modes(policy, meshes):
 
 
 def test_trajectory_type_is_host_only():
-    t = Trajectory(0, np.arange(1, 5, dtype=np.int32), np.array([0, 1, 1, 1], bool),
+    t = TrainSequence(0, np.arange(1, 5, dtype=np.int32), np.array([0, 1, 1, 1], bool),
                    np.zeros(4, np.float32), 1.0)
     assert t.length == 4
 

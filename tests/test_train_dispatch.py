@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiderl.train.dispatch import (
-    Trajectory,
+    TrainSequence,
     elastic_take,
     lpt_assign,
     microbatches,
@@ -117,10 +117,10 @@ def test_packing_layout_and_shift_convention():
 
 def test_rejects_sequences_too_long_or_starting_with_action():
     with pytest.raises(ValueError, match="trainer.row_len"):
-        pack_microbatch([Trajectory(0, np.ones(40, np.int32), np.zeros(40, bool),
+        pack_microbatch([TrainSequence(0, np.ones(40, np.int32), np.zeros(40, bool),
                                     np.zeros(40, np.float32), 0.0)], [[0]], row_len=32)
     with pytest.raises(ValueError, match="first token"):
-        Trajectory(0, np.ones(4, np.int32), np.ones(4, bool), np.zeros(4, np.float32), 0.0)
+        TrainSequence(0, np.ones(4, np.int32), np.ones(4, bool), np.zeros(4, np.float32), 0.0)
 
 
 def test_elastic_batch_bounds():

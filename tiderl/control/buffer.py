@@ -22,13 +22,13 @@ import numpy as np
 from tiderl.serving.rollout import Trajectory
 from tiderl.train import ra2p
 from tiderl.train.advantages import group_advantages
-from tiderl.train.dispatch import Trajectory as TrainSeq
+from tiderl.train.dispatch import TrainSequence
 
 
 @dataclasses.dataclass
 class ReadyGroup:
     group_id: str
-    seqs: list[TrainSeq]
+    seqs: list[TrainSequence]
     trajs: list[Trajectory]
     ready_at: float
     min_version: int
@@ -129,7 +129,7 @@ class ReadinessBuffer:
             self.dropped["zero_variance"] += 1
             self.drops_in_a_row += 1
             return None
-        seqs = [TrainSeq(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
+        seqs = [TrainSequence(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
                          action_mask=np.asarray(t.loss_mask, bool),
                          behaviour_logprobs=np.asarray(t.logprobs, np.float32),
                          advantage=float(a), versions=np.asarray(t.versions, np.int32))

@@ -93,7 +93,7 @@ class TypeStats:
         return w / max(w + self.compute_s, 1e-9)
 
 
-class PhaseClock:
+class PhaseOccupancy:
     """Time integrals of how many live tasks are in each phase (for per-step averages)."""
 
     def __init__(self, now: float = 0.0):

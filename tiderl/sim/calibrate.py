@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.sim.costs import PROFILES, CostModel, OpCost, Profile, model_shape, profile_from_dict
+from tiderl.sim.costs import PROFILES, OpCost, Profile, SimCostModel, model_shape, profile_from_dict
 
 VALIDATION_OVERRIDES = [
     "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
@@ -101,7 +101,7 @@ def fit_constant(ys: Sequence[float]) -> tuple[OpCost, float]:
 
 
 # -- measurements -----------------------------------------------------------------------------
-def _engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: CostModel,
+def _engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: SimCostModel,
                     repeats: int, quick: bool) -> dict[str, list]:
     import jax
 
@@ -183,7 +183,7 @@ def _decode_keep(eng: Any) -> None:
             h.decoding = True
 
 
-def _trainer_samples(cfg: Any, graphdef: Any, params: Any, meshes: dict, costs: CostModel,
+def _trainer_samples(cfg: Any, graphdef: Any, params: Any, meshes: dict, costs: SimCostModel,
                      repeats: int, quick: bool) -> dict[str, list]:
     import jax
 
@@ -451,7 +451,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     # Work formulas only need the engine rules; rates are what we fit.
     shell = Profile("shell", "fitted", {"prefill": OpCost(), "decode": OpCost()}, None,
                     profile_from_dict({"kind": "fitted", "engine": engine_rules}).engine, {})
-    costs = CostModel(shell, tiny)
+    costs = SimCostModel(shell, tiny)
     t0 = time.perf_counter()
     eng = _engine_samples(cfg, graphdef, params, devices[plan.rollout[0][0]], costs, repeats,
                           quick)

@@ -4,7 +4,7 @@ No JAX.
 `simulate_job(SimConfig(...))` builds exactly what `tiderl.runtime.job.run_job` builds — a `Controller`
 over a `RolloutManager` of `RolloutRank`s under the CTB (or request-level) scheduler, a
 `ReadinessBuffer`, the production micro-batch planner — but with `SimEngine`s, a `SimTrainer`
-and a `SimAgentEnv` priced by one `CostModel`, and runs it on a virtual-time loop.
+and a `SimAgentEnv` priced by one `SimCostModel`, and runs it on a virtual-time loop.
 
 Every baseline is a configuration of the same code (the paper's §6 baselines):
 
@@ -36,12 +36,12 @@ from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.sim.clock import CpuMeter, run_virtual
-from tiderl.sim.costs import CostModel, load_profile, model_shape
-from tiderl.sim.engine import SimEngine
+from tiderl.sim.costs import SimCostModel, load_profile, model_shape
 from tiderl.sim.envs import SimAgentEnv
-from tiderl.sim.ers import has_cells, wire
 from tiderl.sim.run import SeedStream
 from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
+from tiderl.sim.virtual_engine import SimEngine
+from tiderl.sim.virtual_ers import has_cells, wire
 from tiderl.sim.workloads import Sampler, workload
 
 MODES = ("sync", "async", "stream", "tiderl")
@@ -166,8 +166,8 @@ class SimRun:
         return [r for r in self.records if r.get("kind") == "step"]
 
 
-def build_costs(cfg: SimConfig) -> CostModel:
-    return CostModel(load_profile(cfg.profile), model_shape(cfg.model))
+def build_costs(cfg: SimConfig) -> SimCostModel:
+    return SimCostModel(load_profile(cfg.profile), model_shape(cfg.model))
 
 
 async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:

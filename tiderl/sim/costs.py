@@ -253,7 +253,7 @@ def _roofline_ops(dev: Device, eff: Mapping[str, float], over: Mapping[str, floa
 
     train = dev.flops * eff["train"]
     # "link": the network a collective runs over; the caller picks intra- or cross-node
-    # bandwidth by scaling work (see `CostModel.link_bytes`), so the rate here is NVLink's.
+    # bandwidth by scaling work (see `SimCostModel.link_bytes`), so the rate here is NVLink's.
     return {
         "prefill": op("prefill_c0", flops=dev.flops * eff["prefill"], hbm=hbm),
         "decode": op("decode_c0", flops=dev.flops * eff["decode_flops"], hbm=hbm),
@@ -280,7 +280,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[-1] * math.ceil(n / buckets[-1])
 
 
-class CostModel:
+class SimCostModel:
     """Costs of one model's operations under one profile (seconds)."""
 
     def __init__(self, profile: Profile, model: ModelShape):

@@ -19,7 +19,7 @@ from tiderl.sim.workloads import Sampler, TaskPlan
 
 
 @dataclasses.dataclass
-class _Session:
+class _SimSession:
     task_id: str
     plan: TaskPlan
     turns: int = 0
@@ -30,7 +30,7 @@ class SimAgentEnv:
 
     def __init__(self, sampler: Sampler, *, step_of: Callable[[], int] = lambda: 0):
         self.sampler, self.step_of = sampler, step_of
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, _SimSession] = {}
         self.pauses = 0
         self.resumes = 0
         self.started = 0
@@ -45,7 +45,7 @@ class SimAgentEnv:
         plan = self.sampler.plan(suite, task["task_id"], self.step_of())
         self.started += 1
         sid = f"s{self.started}"
-        self.sessions[sid] = _Session(task["task_id"], plan)
+        self.sessions[sid] = _SimSession(task["task_id"], plan)
         if plan.start_s:
             self.env_s += plan.start_s
             await asyncio.sleep(plan.start_s)

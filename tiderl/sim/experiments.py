@@ -11,7 +11,7 @@ JSONL) under `--out` (default `sim-results/NAME`), and ends with one JSON line.
     fig15   total RWT+TWT, ERS vs fixed ratios, 100 WebShop steps, one 8-GPU node
     ctb     one step of 1,312 WebShop tasks on one GPU: CTB vs fixed concurrency 1024 and 512
 
-ERS: where the build has the production ERS planner (`tiderl.sim.ers.has_cells()`), `fig8`'s
+ERS: where the build has the production ERS planner (`tiderl.sim.virtual_ers.has_cells()`), `fig8`'s
 tiderl, `fig15`'s ERS run and table2's +ERS and +CTB rows run it (`--planner ers`, the
 default then); without it those report ERS as pending and `fig8`'s tiderl is CTB + RA2P on a
 fixed split. `--planner module:Class` plugs in any other planner.
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.sim.cluster import MODES, SimConfig, build_costs, ratio, simulate_job
-from tiderl.sim.ers import ERS, has_cells
 from tiderl.sim.trainer import SimMicroBatch, SimTrainer
+from tiderl.sim.virtual_ers import ERS, has_cells
 
 RATIOS = (0.125, 0.25, 0.5)
 

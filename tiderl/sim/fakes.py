@@ -2,10 +2,10 @@
 clock. No JAX: with these, the real control plane (controller, CTB, ranks, buffer) runs on a
 virtual-time loop (looptime), which is the seam the cluster-scale simulator builds on.
 
-- `SimEngine` (from `tiderl.sim.engine`) implements the engine contract on host data only; with
+- `SimEngine` (from `tiderl.sim.virtual_engine`) implements the engine contract on host data only; with
   no cost model its calls cost no time. Tokens are drawn keyed by (task, position), so a
   trajectory does not depend on batching.
-- `SimTrainer` here is the flat stand-in: a step costs `per_mb_s` of loop time per micro-batch
+- `FlatTrainer` here is the flat stand-in: a step costs `per_mb_s` of loop time per micro-batch
   (the cost-model trainer is `tiderl.sim.trainer.SimTrainer`).
 - `SimGuessEnv` is the default task (guess 1..n) behind the env-client interface, with a fixed
   per-step latency in loop time.
@@ -19,12 +19,12 @@ from typing import Any
 
 from tiderl.envs.adapters.default import GuessNumber
 from tiderl.envs.protocol import EndResult, OpResult, StartResult, StepResult
-from tiderl.sim.engine import SimEngine
+from tiderl.sim.virtual_engine import SimEngine
 
-__all__ = ["SimEngine", "SimGuessEnv", "SimTrainer"]
+__all__ = ["SimEngine", "SimGuessEnv", "FlatTrainer"]
 
 
-class SimTrainer:
+class FlatTrainer:
     """The trainer-backend contract in loop time: `per_mb_s` per submitted micro-batch."""
 
     def __init__(self, *, per_mb_s: float = 0.5):
@@ -52,7 +52,7 @@ class SimTrainer:
 
 
 @dataclasses.dataclass
-class _Session:
+class _GuessSession:
     game: GuessNumber
     turns: int = 0
 
@@ -63,7 +63,7 @@ class SimGuessEnv:
     def __init__(self, *, step_s: float = 1.0, options: dict[str, str] | None = None):
         self.step_s = step_s
         self.options = options or {}
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, _GuessSession] = {}
         self.paused: set[str] = set()
         self.pauses = 0
         self._n = 0
@@ -73,7 +73,7 @@ class SimGuessEnv:
         sid = f"s{self._n}"
         game = GuessNumber(self.options)
         obs = game.reset(task)
-        self.sessions[sid] = _Session(game)
+        self.sessions[sid] = _GuessSession(game)
         return StartResult(session=sid, observation=obs)
 
     async def step(self, session: str, action: str) -> StepResult:

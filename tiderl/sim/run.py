@@ -22,7 +22,7 @@ from tiderl.models.tokenizer import ByteTokenizer
 from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
-from tiderl.sim.fakes import SimEngine, SimGuessEnv, SimTrainer
+from tiderl.sim.fakes import FlatTrainer, SimEngine, SimGuessEnv
 from tiderl.train.dispatch import microbatches
 
 
@@ -58,7 +58,7 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
     sched = make_scheduler(scheduler, CTBConfig(action_reserve=1), [4096] * ranks,
                            max_context=512, max_tasks_per_rank=64)
     env = env or SimGuessEnv(step_s=env_step_s)
-    trainer = SimTrainer(per_mb_s=per_mb_s)
+    trainer = FlatTrainer(per_mb_s=per_mb_s)
 
     async def sync_weights(weights: Any, version: int) -> None:
         await asyncio.gather(*(r.update_weights(weights, version) for r in rank_objs))

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from tiderl.sim.costs import CostModel
+from tiderl.sim.costs import SimCostModel
 from tiderl.train.dispatch import lpt_assign, plan_microbatches
 
 PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply", "ref_wait")
@@ -76,7 +76,7 @@ class SimTrainer:
     """The trainer port of the controller (`submit`, `finish_step_async`, `export_weights_async`,
     `version`) on virtual time."""
 
-    def __init__(self, costs: CostModel, *, actor_gpus: int, ref_gpus: int = 0,
+    def __init__(self, costs: SimCostModel, *, actor_gpus: int, ref_gpus: int = 0,
                  aggregate: bool = True, max_aggregate: int = 16, offload: bool = False,
                  colocated_rollout: bool = False, uses_ref: bool = True,
                  row_len: int | None = None, host: Any = None):

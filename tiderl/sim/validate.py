@@ -38,7 +38,7 @@ from typing import Any
 
 from tiderl.sim.calibrate import VALIDATION_OVERRIDES
 from tiderl.sim.clock import CpuMeter, run_virtual
-from tiderl.sim.costs import PROFILES, CostModel, load_profile, model_shape
+from tiderl.sim.costs import PROFILES, SimCostModel, load_profile, model_shape
 
 MODES = ("sync", "async", "stream", "tiderl")
 METRICS = ("goodput", "step_time_s", "rwt_s", "twt_s", "kv_hit_rate", "prefill_computed")
@@ -54,7 +54,7 @@ def run_config(mode: str, steps: int, seed: int, run_dir: str) -> Any:
 
 
 # -- the simulated twin of tiderl.runtime.job.run_job -------------------------------------------------
-async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
+async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
                     trace: dict[tuple[str, int], str] | None = None) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.control.controller import Controller, Hooks
@@ -65,12 +65,12 @@ async def _simulate(cfg: Any, costs: CostModel, run_dir: str,
     from tiderl.serving.ctb import make_scheduler
     from tiderl.serving.rank import RolloutRank
     from tiderl.serving.rollout import RolloutManager
-    from tiderl.sim.engine import DigitActions, SimEngine
     from tiderl.sim.envs import SimSuiteEnv
-    from tiderl.sim.ers import wire
     from tiderl.sim.host import SharedHost
     from tiderl.sim.run import SeedStream
     from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
+    from tiderl.sim.virtual_engine import DigitActions, SimEngine
+    from tiderl.sim.virtual_ers import wire
 
     r, t, c = cfg.rollout, cfg.trainer, cfg.controller
     # The engines' steps and the trainer's phases share the host. The control plane's CPU
@@ -141,7 +141,7 @@ def simulate(cfg: Any, profile: str = "cpu-fitted",
     """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
     to the virtual clock, as the real run's event loop spends it."""
-    costs = CostModel(load_profile(profile), model_shape("tiny"))
+    costs = SimCostModel(load_profile(profile), model_shape("tiny"))
     meter = CpuMeter()
     with tempfile.TemporaryDirectory() as tmp:
         out = run_virtual(_simulate(cfg, costs, tmp, trace), meter=meter,

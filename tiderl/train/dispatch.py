@@ -35,7 +35,7 @@ Order = Literal["decoupled", "colocated"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Trajectory:
+class TrainSequence:
     """One sequence to train on: exactly the tokens the engine saw and produced."""
 
     uid: int
@@ -234,7 +234,7 @@ def bucket_rows(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pack_microbatch(trajs: Sequence[Trajectory], ranks: Sequence[Sequence[int]], *,
+def pack_microbatch(trajs: Sequence[TrainSequence], ranks: Sequence[Sequence[int]], *,
                     row_len: int, min_rows: int = 1) -> MicroBatch:
     """Packs the trajectories `ranks[r]` of each data-parallel rank into rank-major rows."""
     per_rank = [pack_rows([trajs[i].length for i in rank], row_len) for rank in ranks]
@@ -268,10 +268,10 @@ def pack_microbatch(trajs: Sequence[Trajectory], ranks: Sequence[Sequence[int]],
     return MicroBatch(tokens, positions, segs, mask, blp, adv, ver, tuple(uids))
 
 
-def microbatches(trajs: Sequence[Trajectory], *, n_ranks: int, row_len: int,
+def microbatches(trajs: Sequence[TrainSequence], *, n_ranks: int, row_len: int,
                  rows_per_rank: int, order: Order = "decoupled", balance: Balance = "lpt",
                  final: bool = True, fill: float = 0.9
-                 ) -> tuple[list[MicroBatch], list[Trajectory]]:
+                 ) -> tuple[list[MicroBatch], list[TrainSequence]]:
     """Plans and packs ready trajectories; returns (micro-batches, trajectories left waiting)."""
     lengths = [t.length for t in trajs]
     plan, rest = plan_microbatches(lengths, n_ranks=n_ranks, rank_budget=rows_per_rank * row_len,

@@ -10,7 +10,7 @@ a weight flush), decode needs a page for every token it writes, a full pool rais
 does not count a shared page once). No numbers are computed: actions are drawn from an
 `ActionModel` keyed by (task, position), so a trajectory does not depend on batching.
 
-Time: every call adds its cost under a `CostModel` (the engine's batching rules applied: chunks,
+Time: every call adds its cost under a `SimCostModel` (the engine's batching rules applied: chunks,
 buckets, padding) to a running total the rank reads with `take_cost_s()` and charges to the
 loop's clock (see `tiderl.serving.rank`). With `decode_steps_per_call = k > 1`, one `generate`
 runs up to k decode steps (vLLM's multi-step scheduling): slots whose action ends inside the
@@ -36,7 +36,7 @@ from tiderl.serving.pages import (
     best_source,
     fork_children,
 )
-from tiderl.sim.costs import CostModel
+from tiderl.sim.costs import SimCostModel
 
 DIGITS = [ord(str(d)) for d in range(1, 10)]
 FILLER = ord("a")
@@ -77,7 +77,7 @@ class SimEngine:
     """The engine contract without a model (see the module docstring)."""
 
     def __init__(self, *, seed: int = 0, max_action_tokens: int = 1, max_context: int = 512,
-                 stop_tokens: tuple[int, ...] = (), costs: CostModel | None = None,
+                 stop_tokens: tuple[int, ...] = (), costs: SimCostModel | None = None,
                  num_pages: int | None = None, page_size: int = 16,
                  max_slots: int | None = None, actions: ActionModel | None = None,
                  gpus: int = 1, decode_steps_per_call: int | None = None,
