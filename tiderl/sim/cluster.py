@@ -170,6 +170,50 @@ def build_costs(cfg: SimConfig) -> SimCostModel:
     return SimCostModel(load_profile(cfg.profile), model_shape(cfg.model))
 
 
+def _scheduler(cfg: SimConfig, num_pages: int, n_slots: int, max_context: int) -> Any:
+    """The rollout scheduler over `n_slots` rank slots (those past `cfg.ranks` start dead)."""
+    kind = cfg.scheduler or ("ctb" if cfg.mode == "tiderl" else "vanilla")
+    conc = cfg.vanilla_concurrency or 1024 * cfg.ranks
+    ctb = CTBConfig(env_concurrency=cfg.env_concurrency, vanilla_concurrency=conc,
+                    w_group=max(32.0, 4.0 * cfg.group_size))
+    sched = make_scheduler(kind, ctb, [num_pages * cfg.page_size] * n_slots,
+                           max_context=max_context, max_tasks_per_rank=cfg.max_slots)
+    for i in range(cfg.ranks, n_slots):
+        sched.remove_rank(i)
+    ctb.check_group_size(cfg.group_size)
+    return sched
+
+
+def _trainer(cfg: SimConfig, costs: SimCostModel, colocated: bool) -> SimTrainer:
+    """The virtual-time trainer: the Actor on the trainer GPUs a decoupled Ref leaves."""
+    actor_gpus = cfg.trainer_gpus - (0 if colocated else cfg.ref_gpus)
+    if actor_gpus <= 0:
+        raise ConfigError(f"sim ref_gpus={cfg.ref_gpus} leaves no trainer GPU of "
+                          f"{cfg.trainer_gpus}; lower it or the rollout ratio")
+    return SimTrainer(costs, actor_gpus=actor_gpus, ref_gpus=0 if colocated else cfg.ref_gpus,
+                      aggregate=cfg.mode != "stream",
+                      offload=cfg.offload and cfg.mode != "sync",
+                      colocated_rollout=cfg.mode == "sync")
+
+
+def _layout(cfg: SimConfig, costs: SimCostModel, trainer: SimTrainer, batcher: Any,
+            new_rank: Any, colocated: bool) -> tuple[dict[str, Any], Any]:
+    """The controller's layout arguments and role-change hook (ERS's cells where it runs)."""
+    if cfg.mode == "sync" and has_cells():  # every GPU alternates: no split to change
+        return {}, None
+    if cfg.mode == "sync":
+        from tiderl.control.ers import Roles
+
+        return {"roles": Roles(cfg.ranks, trainer.actor_gpus, 0)}, None
+    return wire(
+        planner=cfg.planner, n_cells=cfg.gpus // cfg.gpus_per_rank, rollout_cells=cfg.ranks,
+        ref_cells=0 if colocated else cfg.ref_gpus // cfg.gpus_per_rank,
+        gpus_per_cell=cfg.gpus_per_rank, actor_gpus=trainer.actor_gpus,
+        ref_gpus=0 if colocated else cfg.ref_gpus, trainer=trainer, batcher=batcher,
+        new_rank=new_rank,
+        join_cost_s=costs.weight_sync(cross_node=False, gpus_per_rank=cfg.gpus_per_rank))
+
+
 async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     costs = build_costs(cfg)
     wl = {w: dataclasses.replace(workload(w), drift_steps=cfg.drift_steps)
@@ -203,24 +247,10 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     n_slots = cfg.gpus // cfg.gpus_per_rank if elastic else cfg.ranks
     ranks: list[RolloutRank | None] = [await new_rank(i) for i in range(cfg.ranks)]
     ranks += [None] * (n_slots - cfg.ranks)
-    kind = cfg.scheduler or ("ctb" if cfg.mode == "tiderl" else "vanilla")
-    conc = cfg.vanilla_concurrency or 1024 * cfg.ranks
-    ctb = CTBConfig(env_concurrency=cfg.env_concurrency, vanilla_concurrency=conc,
-                    w_group=max(32.0, 4.0 * cfg.group_size))
-    sched = make_scheduler(kind, ctb, [num_pages * cfg.page_size] * n_slots,
-                           max_context=max_context, max_tasks_per_rank=cfg.max_slots)
-    for i in range(cfg.ranks, n_slots):
-        sched.remove_rank(i)
-    ctb.check_group_size(cfg.group_size)
+    sched = _scheduler(cfg, num_pages, n_slots, max_context)
     colocated = cfg.mode in ("sync", "async", "stream") or not cfg.ref_gpus
-    actor_gpus = cfg.trainer_gpus - (0 if colocated else cfg.ref_gpus)
-    if actor_gpus <= 0:
-        raise ConfigError(f"sim ref_gpus={cfg.ref_gpus} leaves no trainer GPU of "
-                          f"{cfg.trainer_gpus}; lower it or the rollout ratio")
-    trainer = SimTrainer(costs, actor_gpus=actor_gpus, ref_gpus=0 if colocated else cfg.ref_gpus,
-                         aggregate=cfg.mode != "stream",
-                         offload=cfg.offload and cfg.mode != "sync",
-                         colocated_rollout=cfg.mode == "sync")
+    trainer = _trainer(cfg, costs, colocated)
+    actor_gpus = trainer.actor_gpus
     env = SimAgentEnv(sampler, step_of=lambda: trainer.version)
     # Rollout and trainer on different nodes unless the job fits one node (or alternates).
     per_node = costs.profile.device.gpus_per_node if costs.profile.device else cfg.gpus
@@ -233,20 +263,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
 
     order = "colocated" if colocated else "decoupled"
     batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu, order=order)
-    if cfg.mode == "sync" and has_cells():  # every GPU alternates: no split to change
-        layout, apply_roles = {}, None
-    elif cfg.mode == "sync":
-        from tiderl.control.ers import Roles
-
-        layout, apply_roles = {"roles": Roles(cfg.ranks, actor_gpus, 0)}, None
-    else:
-        layout, apply_roles = wire(
-            planner=cfg.planner, n_cells=cfg.gpus // cfg.gpus_per_rank, rollout_cells=cfg.ranks,
-            ref_cells=0 if colocated else cfg.ref_gpus // cfg.gpus_per_rank,
-            gpus_per_cell=cfg.gpus_per_rank, actor_gpus=actor_gpus,
-            ref_gpus=0 if colocated else cfg.ref_gpus, trainer=trainer, batcher=batcher,
-            new_rank=new_rank,
-            join_cost_s=costs.weight_sync(cross_node=False, gpus_per_rank=cfg.gpus_per_rank))
+    layout, apply_roles = _layout(cfg, costs, trainer, batcher, new_rank, colocated)
     ccfg = ControllerConfig(mode=cfg.mode, steps=cfg.steps, groups_per_step=cfg.groups_per_step,
                             groups_per_microbatch=cfg.groups_per_microbatch,
                             max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
