@@ -511,3 +511,16 @@ def test_overcommit_stretches_the_budget_while_the_engine_idles():
     assert s.tasks["t0"].state == "active" and s.usage(0) <= 100
     with pytest.raises(ConfigError, match="overcommit_max"):
         CTBConfig(overcommit_max=0.5)
+
+
+def test_the_scheduler_is_what_its_policies_take():
+    """The release valve and eval preemption see the scheduler only through their protocols:
+    it provides every member they name (and they are objects it owns, not base classes)."""
+    from tiderl.serving.preempt import EvalPreemption, PreemptionHost
+    from tiderl.serving.valve import ReleaseValve, ValveHost
+
+    s = CTBScheduler(CFG, [100], max_context=100)
+    assert isinstance(s, ValveHost) and isinstance(s, PreemptionHost)
+    assert isinstance(s.valve, ReleaseValve) and s.valve.host is s
+    assert isinstance(s.preemption, EvalPreemption) and s.preemption.host is s
+    assert not isinstance(s, ReleaseValve | EvalPreemption)

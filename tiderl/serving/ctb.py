@@ -1,8 +1,10 @@
 """Continuous Task Batching (arXiv 2608.10402, §4, Algorithm 1), and `make_scheduler`, which
 also builds the request-level baseline (`tiderl.serving.vanilla`). No JAX. The task table both
 schedulers keep is in `tiderl.serving.tasktable`, what they learn about task types
-(environment waits, time outside the environment) in `taskstats`; CTB's release valve is in
-`valve`, its eval preemption in `preempt`.
+(environment waits, time outside the environment) in `taskstats`. CTB's release valve
+(`valve.ReleaseValve`) and its eval preemption (`preempt.EvalPreemption`) are policies the
+scheduler owns; each sees it through a small protocol of public methods (`ValveHost`,
+`PreemptionHost`).
 
 One scheduler sees every rollout rank. It holds no device state: ranks report usage, the
 scheduler answers with decisions (`Admit`, `Pause`, `Resume`) that the ranks apply.
@@ -32,8 +34,8 @@ The release valve (parking). A task waiting on its environment holds KV but no c
 parks such tasks (paused, KV kept until pages are needed, no budget held, not resumed until
 their environment answers) to give their room to a task that has its observation, or, while a
 rank's engine has time to spare, to admit more work as long as what the live tasks need on
-average still fits (see `_park_for_demand`). A task with its observation waiting for room goes
-before new tasks.
+average still fits (see `ReleaseValve.park_for_demand`). A task with its observation waiting
+for room goes before new tasks.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ __all__ = ["Admit", "CTBConfig", "CTBScheduler", "Decision", "Pause", "Resume", 
            "VanillaScheduler", "make_scheduler"]
 
 
-class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
+class CTBScheduler(TaskTable):
     """Algorithm 1: per-rank token budgets, RL-aware priority, pause/resume, group affinity.
 
     Each rank's usage (current sizes, and the grown sizes admission plans with) is cached:
     updated in O(1) as tasks join or leave the rank, recomputed over the rank's active tasks
     only after something its tasks' sizes depend on changed (a turn, a probe, growth stats).
+
+    It satisfies `ValveHost` and `PreemptionHost`: the public accounting below (`usage`,
+    `fits`, `marginal`, `grown_usage`, ...) and `pause` are what its policies use.
     """
 
     def __init__(self, cfg: CTBConfig, capacities: Iterable[int], *, max_context: int,
@@ -78,6 +83,10 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         self._admit_memo: list[dict[str, bool]] = [{} for _ in range(n)]
         self._now = 0.0
         self._resumed: set[str] = set()
+        self.valve = ReleaseValve(self)
+        """Step 4 of a round: parks tasks that wait on their environment."""
+        self.preemption = EvalPreemption(self)
+        """Makes room for eval tasks that fit nowhere."""
 
     def _shared_part(self, t: Task) -> int:
         """The part of `t`'s prompt its siblings on a rank hold once: whole KV pages (each
@@ -140,13 +149,14 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             self._refresh(rank)
         used = self._own[rank] + self._prompt_sum[rank]
         if extra is not None:
-            used += self._marginal(rank, extra, self.footprint(extra))
+            used += self.marginal(rank, extra, self.footprint(extra))
         return used
 
     def _usage_of(self, tasks: list[Task]) -> int:
-        return self._sum_usage([(t, self.footprint(t)) for t in tasks])
+        return self.sum_usage([(t, self.footprint(t)) for t in tasks])
 
-    def _sum_usage(self, sized: list[tuple[Task, int]]) -> int:
+    def sum_usage(self, sized: list[tuple[Task, int]]) -> int:
+        """What tasks at the given sizes need together on one rank (shared prompts once)."""
         reserve = self.cfg.action_reserve
         if not self.cfg.shared_prompts:
             return sum(size + reserve for _, size in sized)
@@ -158,7 +168,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             own += size - sp + reserve
         return sum(prompts.values()) + own
 
-    def _marginal(self, rank: int, t: Task, size: int) -> int:
+    def marginal(self, rank: int, t: Task, size: int) -> int:
         """What `t`, at `size`, adds to the rank's (fresh) usage."""
         extra = size + self.cfg.action_reserve
         if self.cfg.shared_prompts:
@@ -195,13 +205,13 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         self._own[r] += t.tokens - tokens
         self._grown_version[r] = -1
 
-    def _grown_usage(self, rank: int) -> int:
+    def grown_usage(self, rank: int) -> int:
         """`usage` with every active task at its grown size (see `_admit_fits`)."""
         self._refresh(rank)
         if self._grown_version[rank] != self._stats_version:
             reserve, shared = self.cfg.action_reserve, self.cfg.shared_prompts
             self._grown_own[rank] = sum(
-                self._grown_size(t) + reserve - (self._shared_part(t) if shared else 0)
+                self.grown_size(t) + reserve - (self._shared_part(t) if shared else 0)
                 for t in self._active[rank].values())
             self._grown_version[rank] = self._stats_version
         return self._grown_own[rank] + self._prompt_sum[rank]
@@ -215,7 +225,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         own = self._shared_part(t) if self.cfg.shared_prompts else 0
         self._own[rank] += self.footprint(t) + reserve - own
         if self._grown_version[rank] == self._stats_version:
-            self._grown_own[rank] += self._grown_size(t) + reserve - own
+            self._grown_own[rank] += self.grown_size(t) + reserve - own
         if self.cfg.shared_prompts:
             prompts = self._prompt_max[rank]
             held = prompts.get(t.group_id, 0)
@@ -234,7 +244,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         # Sizes are those summed in: any change to them marked the rank dirty.
         self._own[rank] -= self.footprint(t) + self.cfg.action_reserve
         if self._grown_version[rank] == self._stats_version:
-            self._grown_own[rank] -= self._grown_size(t) + self.cfg.action_reserve
+            self._grown_own[rank] -= self.grown_size(t) + self.cfg.action_reserve
 
     def _check_indexes(self) -> None:
         super()._check_indexes()
@@ -246,7 +256,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
                     raise AssertionError(f"scheduler index out of step: rank {r} usage "
                                          f"{self._own[r] + self._prompt_sum[r]} != {fresh}")
                 if self._grown_version[r] == self._stats_version:
-                    grown = self._sum_usage([(t, self._grown_size(t)) for t in tasks])
+                    grown = self.sum_usage([(t, self.grown_size(t)) for t in tasks])
                     if self._grown_own[r] + self._prompt_sum[r] != grown:
                         raise AssertionError(f"scheduler index out of step: rank {r} grown "
                                              f"usage {self._grown_own[r]} != {grown}")
@@ -259,7 +269,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             return t.tokens
         return max(t.tokens, self.estimate(t) or 0)
 
-    def _probe_size(self, t: Task) -> int:
+    def probe_size(self, t: Task) -> int:
         """What `t` would hold if it joined a rank now (never less than its prompt)."""
         return max(self.footprint(t), t.prompt_tokens)
 
@@ -271,7 +281,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             return probe
         return self._type_probe_max.get(t.task_type)
 
-    def _probing(self, t: Task) -> bool:
+    def probing(self, t: Task) -> bool:
         """`t`'s size (or, planning growth, its type's growth) is unknown and a task already
         went ahead as the probe: wait for the probe's first turns."""
         if self._growth_unknown(t):
@@ -281,11 +291,12 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         return any(self.tasks[s].state in LIVE_STATES and not self.tasks[s].measured
                    for s in self.groups[t.group_id])
 
-    def _fits(self, t: Task, rank: int) -> bool:
+    def fits(self, t: Task, rank: int) -> bool:
+        """`t`, at its current size, fits `rank` now (room and a free slot)."""
         if self.max_tasks_per_rank is not None and not (t.state == "active" and t.rank == rank) \
                 and len(self._active[rank]) >= self.max_tasks_per_rank:
             return False
-        return self.usage(rank) + self._marginal(rank, t, self._probe_size(t)) \
+        return self.usage(rank) + self.marginal(rank, t, self.probe_size(t)) \
             <= self.limit(rank)
 
     def expected_final(self, task_type: str) -> int | None:
@@ -306,7 +317,9 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             return min(self.max_context, now + int(h * total * left / n))
         return None
 
-    def _grown_size(self, t: Task) -> int:
+    def grown_size(self, t: Task) -> int:
+        """The size `plan_growth` admits `t` at: its projected final context (at least its
+        footprint and prompt)."""
         return max(self.projected(t) or 0, self.footprint(t), t.prompt_tokens)
 
     def _admit_fits_now(self, t: Task, rank: int) -> bool:
@@ -319,12 +332,12 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         return fits
 
     def _admit_fits(self, t: Task, rank: int) -> bool:
-        """`_fits` for a new task; with `plan_growth`, at everyone's projected final size."""
-        if not self._fits(t, rank):
+        """`fits` for a new task; with `plan_growth`, at everyone's projected final size."""
+        if not self.fits(t, rank):
             return False
         if not self.cfg.plan_growth or t.is_eval:
             return True
-        return self._grown_usage(rank) + self._marginal(rank, t, self._grown_size(t)) \
+        return self.grown_usage(rank) + self.marginal(rank, t, self.grown_size(t)) \
             <= self.limit(rank)
 
     def _growth_unknown(self, t: Task) -> bool:
@@ -346,9 +359,9 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
     def resume_rank(self, t: Task, ranks: list[int]) -> int:
         """The affinity rank when it has headroom, else the fitting rank with most headroom."""
         home = self.affinity(t)
-        if home is not None and home in ranks and self._fits(t, home):
+        if home is not None and home in ranks and self.fits(t, home):
             return home
-        return max((r for r in ranks if self._fits(t, r)),
+        return max((r for r in ranks if self.fits(t, r)),
                    key=lambda r: (self.budget(r) - self.usage(r), -r))
 
     def schedule(self) -> list[Decision]:
@@ -363,12 +376,14 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
         self._pause_over_budget(ranks, out)
         self._resume_paused(ranks, out)
         self._admit_new(ranks, out)
-        if self._park_for_demand(ranks, out):
+        if self.valve.park_for_demand(ranks, out):
             self._resume_paused(ranks, out)
             self._admit_new(ranks, out)
         return out
 
-    def _pause(self, t: Task, rank: int, out: list[Decision], *, park: bool = False) -> None:
+    def pause(self, t: Task, rank: int, out: list[Decision], *, park: bool = False) -> None:
+        """Pauses active `t` on `rank` (`park`: until its environment answers); the
+        decision goes to `out`."""
         self._set_executing(t, False)
         self._move(t, "paused", rank)
         t.parked = park
@@ -390,7 +405,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             for victim in victims:
                 if len(active) <= 1 or self.usage(r) <= budget:
                     break
-                self._pause(victim, r, out)
+                self.pause(victim, r, out)
 
     def _best_headroom(self, ranks: list[int]) -> int | None:
         """The most room any rank with a free slot has left; None when none has a slot."""
@@ -399,9 +414,9 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
                  if cap is None or len(self._active[r]) < cap]
         return max(heads) if heads else None
 
-    def _least_need(self, t: Task) -> int:
+    def least_need(self, t: Task) -> int:
         """The least `t` adds to any rank: its own tokens (its prompt may be there already)."""
-        need = self._probe_size(t) + self.cfg.action_reserve
+        need = self.probe_size(t) + self.cfg.action_reserve
         return need - self._shared_part(t) if self.cfg.shared_prompts else need
 
     def _resume_paused(self, ranks: list[int], out: list[Decision]) -> None:
@@ -419,23 +434,27 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             preempted = False
             head = self._best_headroom(ranks)
             found = [t for t in self._paused.values() if not t.parked and (t.is_eval or (
-                head is not None and self._n_active < conc and self._least_need(t) <= head))]
+                head is not None and self._n_active < conc and self.least_need(t) <= head))]
             # Ready first (their environment answered: they want the engine now), within
             # their tier.
             found.sort(key=lambda t: (-self.priority(t) - self.cfg.w_active * t.ready,
                                       t.task_id))
             for t in found:
                 if self._n_active < conc and head is not None and \
-                        self._least_need(t) <= head and any(self._fits(t, r) for r in ranks):
+                        self.least_need(t) <= head and any(self.fits(t, r) for r in ranks):
                     self._resume(t, ranks, out)
                     head = self._best_headroom(ranks)
                     continue
-                r = self._preemptible_rank(t, ranks) if t.is_eval else None
+                r = self.preemption.rank_for(t, ranks) if t.is_eval else None
                 if r is not None:
-                    out.extend(self._preempt_on(t, r))
+                    out.extend(self.preemption.make_room(t, r))
                     self._resume(t, ranks, out)
                     preempted = True
                     break
+
+    def joined_this_round(self, task_id: str) -> bool:
+        """Admitted or resumed by the current round."""
+        return task_id in self._fresh or task_id in self._resumed
 
     def _resume(self, t: Task, ranks: list[int], out: list[Decision]) -> None:
         self._resumed.add(t.task_id)
@@ -460,7 +479,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             pick = self._pick_new(ranks, evals_only=True) if room and self._queued_evals \
                 else None
             if pick is None and self._queued_evals:
-                pick = self._pick_eval_by_preemption(ranks, out, stuck)
+                pick = self.preemption.pick_eval(ranks, out, stuck)
             if pick is None and room and not blocked:
                 pick = self._pick_new(ranks)
             if pick is None or not self._take_admission():
@@ -482,7 +501,7 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
             if not tids or (evals_only and not self.tasks[tids[0]].is_eval):
                 continue
             t = self.tasks[tids[0]]
-            if self._probing(t):
+            if self.probing(t):
                 continue  # siblings wait for the probe's first turn to size them
             # Eval groups jump the queue; siblings go where the group already is.
             home = self.affinity(t)
@@ -506,6 +525,14 @@ class CTBScheduler(EvalPreemption, ReleaseValve, TaskTable):
                 best = (score, t, r)
         assert best is not None
         return best[1], best[2]
+
+    def queue_head(self) -> Task | None:
+        """The next queued task admission would consider (within `lookahead` groups, past
+        groups waiting for their probe); None when there is none."""
+        for tids in itertools.islice(self.queue.values(), self.cfg.lookahead):
+            if tids and not self.probing(self.tasks[tids[0]]):
+                return self.tasks[tids[0]]
+        return None
 
 
 def make_scheduler(kind: str, cfg: CTBConfig, capacities: Iterable[int], *,

@@ -12,10 +12,10 @@ import dataclasses
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Literal
 
-from tiderl.serving.taskstats import PhaseClock, TypeStats
+from tiderl.serving.taskstats import PhaseOccupancy, TypeStats
 
 if TYPE_CHECKING:
     from tiderl.serving.ctb_config import CTBConfig
@@ -149,7 +149,7 @@ class TaskTable:
         """Seconds; the runner sets its event loop's clock (virtual time in the simulator)."""
         self.type_stats: dict[str, TypeStats] = {}
         """Per task type: environment waits and compute per turn, learned online."""
-        self.phases = PhaseClock(self.clock())
+        self.phases = PhaseOccupancy(self.clock())
         """How many live tasks execute, are ready, or wait on their environment (and since
         when, integrated: per-step averages)."""
 
@@ -338,6 +338,28 @@ class TaskTable:
 
     def n_paused(self) -> int:
         return len(self._paused)
+
+    def n_queued(self) -> int:
+        """Tasks submitted and not admitted yet."""
+        return self._n_queued
+
+    def paused_tasks(self) -> Collection[Task]:
+        """The paused tasks (a live view: do not pause or resume while iterating it)."""
+        return self._paused.values()
+
+    def queued_eval_heads(self) -> list[Task]:
+        """The first queued task of each group holding queued eval tasks, where that task
+        is an eval task, in queue order."""
+        heads = []
+        for gid in self._eval_groups():
+            tids = self.queue[gid]
+            if tids and self.tasks[tids[0]].is_eval:
+                heads.append(self.tasks[tids[0]])
+        return heads
+
+    def admitted_this_round(self, task_id: str) -> bool:
+        """Admitted by the current scheduling round (it has not started yet)."""
+        return task_id in self._fresh
 
     def completion(self, group_id: str) -> float:
         return self.group_done[group_id] / len(self.groups[group_id])

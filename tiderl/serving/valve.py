@@ -3,25 +3,70 @@
 A task waiting on its environment holds KV budget but no compute (arXiv 2608.10402, §4). A
 parked task is paused while it waits: its rank keeps its KV until pages are needed (the
 lowest `keep_value` is evicted first), it holds no budget, and it is not resumed until its
-environment answers. `CTBScheduler` runs this as the last step of a round; the methods here
-use its accounting (`usage`, `_grown_usage`, `_fits`, `keep_value`, ...).
+environment answers. `CTBScheduler` owns a `ReleaseValve` and runs it as the last step of a
+round; the valve sees the scheduler only through `ValveHost`.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tiderl.serving.tasktable import Decision, Task
 
 if TYPE_CHECKING:
-    from tiderl.serving.ctb import CTBScheduler
+    from tiderl.serving.ctb_config import CTBConfig
+    from tiderl.serving.taskstats import TypeStats
+
+
+@runtime_checkable
+class ValveHost(Protocol):
+    """What the release valve reads from and does to its scheduler (`CTBScheduler`)."""
+
+    cfg: CTBConfig
+    admission_limit: int | None
+    max_tasks_per_rank: int | None
+    engine_busy: list[float]
+    type_stats: dict[str, TypeStats]
+
+    # The task table.
+    def n_active(self) -> int: ...
+    def n_queued(self) -> int: ...
+    def paused_tasks(self) -> Collection[Task]: ...
+    def active_on(self, rank: int) -> list[Task]: ...
+    def queue_head(self) -> Task | None: ...
+    def joined_this_round(self, task_id: str) -> bool: ...
+
+    # What tasks are worth.
+    def priority(self, t: Task) -> float: ...
+    def keep_value(self, t: Task) -> float: ...
+    def relative_wait(self, t: Task) -> float | None: ...
+    def affinity(self, t: Task) -> int | None: ...
+
+    # Token accounting.
+    def budget(self, rank: int) -> int: ...
+    def limit(self, rank: int) -> int: ...
+    def usage(self, rank: int) -> int: ...
+    def grown_usage(self, rank: int) -> int: ...
+    def marginal(self, rank: int, t: Task, size: int) -> int: ...
+    def fits(self, t: Task, rank: int) -> bool: ...
+    def least_need(self, t: Task) -> int: ...
+    def footprint(self, t: Task) -> int: ...
+    def probe_size(self, t: Task) -> int: ...
+    def grown_size(self, t: Task) -> int: ...
+
+    # The one action.
+    def pause(self, t: Task, rank: int, out: list[Decision], *, park: bool = False) -> None: ...
 
 
 class ReleaseValve:
-    """Mixin of `CTBScheduler` (its methods take the scheduler as `self`): step 4 of a round."""
+    """Step 4 of a CTB round (`park_for_demand`), over the scheduler `host`."""
 
-    def _park_for_demand(self: CTBScheduler, ranks: list[int], out: list[Decision]) -> bool:
+    def __init__(self, host: ValveHost):
+        self.host = host
+
+    def park_for_demand(self, ranks: list[int], out: list[Decision]) -> bool:
         """4. The release valve. A task waiting on its environment holds KV budget but no
         compute (arXiv 2608.10402, §4): park such tasks (they keep their KV until pages are
         needed, the lowest `keep_value` evicted first, and hold no budget until their
@@ -37,102 +82,104 @@ class ReleaseValve:
           fit its budget with the queue's next task: admitting it keeps the engine fed while
           others wait.
         Returns whether anything was parked (the caller then resumes and admits again)."""
-        c = self.cfg
+        s = self.host
+        c = s.cfg
         if not c.park_below_busy or not ranks:
             return False
-        ready = [t for t in self._paused.values() if t.ready and not t.is_eval]
+        paused = s.paused_tasks()
+        ready = [t for t in paused if t.ready and not t.is_eval]
         if ready:
-            want = max(ready, key=lambda t: (self.priority(t), t.task_id))
-            home = self.affinity(want)
+            want = max(ready, key=lambda t: (s.priority(t), t.task_id))
+            home = s.affinity(want)
             order = [r for r in ([home] if home in ranks else ranks) if self._idle(r)]
             return bool(order) and self._park_on(want, order, out, admit=False)
-        if not self._n_queued or self._n_active >= c.env_concurrency or (
-                self.admission_limit is not None and self.admission_limit <= 0) or not all(
-                t.parked for t in self._paused.values()):
+        if not s.n_queued() or s.n_active() >= c.env_concurrency or (
+                s.admission_limit is not None and s.admission_limit <= 0) or not all(
+                t.parked for t in paused):
             return False
-        head = self._queue_head()
+        head = s.queue_head()
         idle = [r for r in ranks if self._idle(r)]
         if head is None or not idle:
             return False
         return self._park_on(head, idle, out, admit=True)
 
-    def _park_on(self: CTBScheduler, want: Task, order: list[int], out: list[Decision], *,
+    def _park_on(self, want: Task, order: list[int], out: list[Decision], *,
                  admit: bool) -> bool:
         """Parks waiting tasks on the first rank of `order` where that makes room for `want`
         (for a new task, `admit`, only while the expected demand still fits)."""
-        c = self.cfg
-        need = self._least_need(want)
+        s = self.host
+        c = s.cfg
+        need = s.least_need(want)
         for r in order:
-            if self.max_tasks_per_rank is not None and want.state != "active" and \
-                    len(self._active[r]) >= self.max_tasks_per_rank:
+            active = s.active_on(r)
+            if s.max_tasks_per_rank is not None and want.state != "active" and \
+                    len(active) >= s.max_tasks_per_rank:
                 continue
             if admit and self.expected_demand(r) + self._share_outside(want) * \
-                    self._planned(want) > self.budget(r):
+                    self._planned(want) > s.budget(r):
                 continue
-            victims = sorted((t for t in self._active[r].values()
-                              if self._parkable(t, self.cfg.park_min_wait if admit else 0.0)),
-                             key=lambda t: (self.keep_value(t), t.task_id))
+            victims = sorted((t for t in active
+                              if self._parkable(t, c.park_min_wait if admit else 0.0)),
+                             key=lambda t: (s.keep_value(t), t.task_id))
             # Room as admission and resumption count it: a new task must fit at everyone's
-            # planned size (`_admit_fits`), a resumed one at current sizes (`_fits`).
+            # planned size (the scheduler's admission check), a resumed one at current sizes
+            # (`fits`).
             grown = admit and c.plan_growth and not want.is_eval
-            room = self.limit(r) - (self._grown_usage(r) if grown else self.usage(r))
+            room = s.limit(r) - (s.grown_usage(r) if grown else s.usage(r))
             if grown:
-                need = self._marginal(r, want, self._grown_size(want))
+                need = s.marginal(r, want, s.grown_size(want))
             take: list[Task] = []
             for v in victims[:c.park_per_round]:
-                if room >= need and (not admit or self._fits(want, r)):
+                if room >= need and (not admit or s.fits(want, r)):
                     break
                 take.append(v)
-                room += (self._grown_size(v) if grown else self.footprint(v)) + c.action_reserve
+                room += (s.grown_size(v) if grown else s.footprint(v)) + c.action_reserve
             if not take or room < need:
                 continue
             for v in take:
-                self._pause(v, r, out, park=True)
+                s.pause(v, r, out, park=True)
             return True
         return False
 
-    def expected_demand(self: CTBScheduler, rank: int) -> float:
+    def expected_demand(self, rank: int) -> float:
         """KV tokens the tasks of `rank` (active and parked there) need on average: each at
         its planned size (`_planned`) times its type's share of time outside its environment
         (learned; all of it before enough waits are known). A task waiting on its
         environment holds KV but needs none: this is what must fit for the ready ones not to
         queue for room."""
+        s = self.host
         total = 0.0
         share: dict[str, float] = {}
-        for t in itertools.chain(self._active[rank].values(), (
-                p for p in self._paused.values() if p.parked and p.rank == rank)):
+        for t in itertools.chain(s.active_on(rank), (
+                p for p in s.paused_tasks() if p.parked and p.rank == rank)):
             e = share.get(t.task_type)
             if e is None:
                 e = share[t.task_type] = self._share_outside(t)
             total += e * self._planned(t)
         return total
 
-    def _share_outside(self: CTBScheduler, t: Task) -> float:
-        st = self.type_stats.get(t.task_type)
-        wf = st.wait_fraction if st is not None and len(st.waits) >= self.cfg.wait_samples \
+    def _share_outside(self, t: Task) -> float:
+        s = self.host
+        st = s.type_stats.get(t.task_type)
+        wf = st.wait_fraction if st is not None and len(st.waits) >= s.cfg.wait_samples \
             else None
         return 1.0 - wf if wf is not None else 1.0
 
-    def _planned(self: CTBScheduler, t: Task) -> int:
+    def _planned(self, t: Task) -> int:
         """The KV `t` is planned to need: its projected final context with `plan_growth`."""
-        size = self._grown_size(t) if self.cfg.plan_growth else self._probe_size(t)
-        return size + self.cfg.action_reserve
+        s = self.host
+        size = s.grown_size(t) if s.cfg.plan_growth else s.probe_size(t)
+        return size + s.cfg.action_reserve
 
-    def _idle(self: CTBScheduler, rank: int) -> bool:
+    def _idle(self, rank: int) -> bool:
         """The rank's engine has time to spare (`park_below_busy`)."""
-        return self.engine_busy[rank] < self.cfg.park_below_busy
+        return self.host.engine_busy[rank] < self.host.cfg.park_below_busy
 
-    def _parkable(self: CTBScheduler, t: Task, min_wait: float) -> bool:
+    def _parkable(self, t: Task, min_wait: float) -> bool:
         # Before its first observation a task may not have called its environment yet (it
         # is woken by its admission): parked then, nothing would ever wake it.
-        if t.is_eval or t.executing or t.ready or not t.turns or t.task_id in self._fresh or \
-                t.task_id in self._resumed:
+        if t.is_eval or t.executing or t.ready or not t.turns or \
+                self.host.joined_this_round(t.task_id):
             return False
-        rel = self.relative_wait(t)
+        rel = self.host.relative_wait(t)
         return rel is not None and rel >= min_wait
-
-    def _queue_head(self: CTBScheduler) -> Task | None:
-        for tids in itertools.islice(self.queue.values(), self.cfg.lookahead):
-            if tids and not self._probing(self.tasks[tids[0]]):
-                return self.tasks[tids[0]]
-        return None
