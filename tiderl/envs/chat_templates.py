@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from tiderl.envs.templates import Part, TurnTemplate
+from tiderl.envs.turns import Part, TurnTemplate
 
 _SENTINEL = "@@tiderl-{}@@"  # no whitespace: survives templates that trim message content
 
