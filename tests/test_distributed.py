@@ -87,7 +87,7 @@ def test_messages_and_rollout_records_cross_processes_exactly():
     with pytest.raises(TypeError, match="no pickle"):
         wire.encode({"x": np.array([object()])})
     p = Prefix(task_id=9, tokens=[1, 2, 3, 4], logprobs=[-0.5], versions=[2], slot=None,
-               kv_length=0, version=2, action_start=3, stop_reason=StopReason.STOP_TOKEN)
+               kv_length=0, kv_version=2, action_start=3, stop_reason=StopReason.STOP_TOKEN)
     r = TurnResult([4], [-0.5], [2], StopReason.STOP_TOKEN, 3, 1, 2, rank=1)
     h = wire.handoff_from_wire(wire.decode(wire.encode(
         {"h": wire.handoff_to_wire(Handoff(p, [7, 8], r))}))["h"])

@@ -82,3 +82,12 @@ def test_an_evicted_sibling_takes_the_prompt_pages_and_computes_only_its_own_tok
     state = _decode_until_done(eng, state, [b])
     _check_against_full(eng, graphdef, params, b)
     eng.pages.check()
+
+
+def test_the_engine_is_what_sibling_sharing_takes(model):
+    """Sharing sees the engine only through `SharingHost`: an object it owns, not a base."""
+    from tiderl.serving.share import SharingHost, SiblingSharing
+
+    eng, _ = _engine(model)
+    assert isinstance(eng, SharingHost) and not isinstance(eng, SiblingSharing)
+    assert isinstance(eng.sharing, SiblingSharing) and eng.sharing.host is eng

@@ -220,7 +220,7 @@ def _spec(params) -> tuple[Any, list[tuple]]:
                      for p, x in leaves]
 
 
-class Engine(SiblingSharing):
+class Engine:
     """Paged-KV rollout engine for one rank (see the module docstring for the contract)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig,
@@ -261,11 +261,8 @@ class Engine(SiblingSharing):
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
         self._sample_fn = make_sampler(top_k=cfg.top_k, top_p=cfg.top_p)
-        self._prompt_logits: collections.OrderedDict[tuple[int, ...], tuple[int, Any]] = \
-            collections.OrderedDict()
-        """Context -> (version, device logits row) of recent first prefills (group prompts),
-        so a sibling starting later samples without computing anything; bounded by
-        max_slots entries."""
+        self.sharing = SiblingSharing(self)
+        """Prefix sharing of GRPO siblings (it keeps recent group prompts' logits)."""
         self._copy_fn = _copy_pages_fn(self.pool_sharding)
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
@@ -282,7 +279,7 @@ class Engine(SiblingSharing):
                            dtype=DTYPES[m.compute_dtype], device=self.device,
                            sharding=self.pool_sharding)
         self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
-        self._prompt_logits.clear()
+        self.sharing.forget()
         return self.state
 
     def update_weights(self, params: nnx.State, *, version: int | None = None,
@@ -302,7 +299,7 @@ class Engine(SiblingSharing):
                     "mismatch would recompile every kernel)")
         self.params = params
         self.version = self.version + 1 if version is None else version
-        self._prompt_logits.clear()
+        self.sharing.forget()
         if flush:
             self.flush()
 
@@ -310,7 +307,7 @@ class Engine(SiblingSharing):
         """Drops every slot's KV older than the current version; returns tokens dropped."""
         dropped = 0
         for h in self._state().slots:
-            if h is not None and h.kv_length and h.version != self.version:
+            if h is not None and h.kv_length and h.kv_version != self.version:
                 dropped += h.kv_length
                 self._drop_kv(h, "version")
         return dropped
@@ -331,9 +328,44 @@ class Engine(SiblingSharing):
         PoolExhaustedError is raised before anything is allocated.
         """
         self._check_params(params)
-        st = self._state()
+        self._state()
+        handles, news = self._take_requests(requests)
+        temps = [h.temperature if r.temperature is None else r.temperature
+                 for r, h in zip(requests, handles, strict=True)]
+        caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
+                for r, h in zip(requests, handles, strict=True)]
+        rows, follow, attached, prompts = self._plan_rows(requests, handles, news, temps, caps)
+        try:
+            self._check_capacity(rows, extra_slots=len(follow))
+        except PoolExhaustedError:
+            for h in attached:
+                self._close(h)
+            raise
+        # Pages and slots are taken here, but a handle's contents (tokens, action, logprobs)
+        # change only after the device calls succeed: if one raises, every handle is as it was
+        # and its task can migrate to another rank with exactly its unfed tokens.
+        copies = []
+        for h, _, start, end, *_ in rows:
+            self.ensure_slot(h)
+            copies += self.pages.reserve(h.slot, start, end)
+        self._apply_copies(copies)
+        results = self._compute_rows(rows)
+        for h, new, start, end, temp, cap in rows:
+            packed_2, logits_bv, i, host_v = results[id(h)]
+            self.counters.prompt_tokens_shared += start if h in attached else 0
+            if id(h) in prompts:
+                self.sharing.remember_logits(prompts[id(h)], logits_bv[i])
+            self.commit_prefill(h, new, start, end, temp, cap, packed_2, host_v)
+        if follow:
+            self.sharing.sample_followers(follow, results)
+        return handles
+
+    def _take_requests(self, requests: list[PrefillRequest]
+                       ) -> tuple[list[Prefix], list[list[int]]]:
+        """Each request's handle (a new one for a new task) and new tokens; validates every
+        request before touching any state."""
         handles, news = [], []
-        for r in requests:  # validate everything before touching any state
+        for r in requests:
             new = [int(t) for t in np.asarray(r.tokens).reshape(-1)[: r.true_length]]
             if len(new) != r.true_length:
                 raise ValueError(f"true_length={r.true_length} exceeds len(tokens)={len(new)}")
@@ -352,22 +384,26 @@ class Engine(SiblingSharing):
                 raise ValueError(f"task {h.task_id} appears twice in one prefill_many")
             handles.append(h)
             news.append(new)
-        temps = [h.temperature if r.temperature is None else r.temperature
-                 for r, h in zip(requests, handles, strict=True)]
-        caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
-                for r, h in zip(requests, handles, strict=True)]
-        rows = []  # (handle, new tokens, start, end, temperature, action cap) of computing tasks
-        follow = []  # (handle, new, end, temperature, cap, source handle, logits or None)
-        attached: list[Prefix] = []  # took a sibling's pages this call (undone on no room)
+        return handles, news
+
+    def _plan_rows(self, requests, handles, news, temps, caps):
+        """Which handles compute (`rows`: handle, new tokens, start, end, temperature, action
+        cap) and which sample from a sibling's logits (`follow`: handle, new, end,
+        temperature, cap, source handle, kept logits or None); the handles that took a
+        sibling's pages (`attached`, undone on no room) and the first prefills whose logits
+        are kept for later siblings (`prompts`: id(handle) -> context)."""
+        rows: list[tuple] = []
+        follow: list[tuple] = []
+        attached: list[Prefix] = []
         leaders: dict[tuple[int, ...], Prefix] = {}  # context -> the row computing it
-        prompts: dict[int, tuple[int, ...]] = {}  # id(handle) -> context, first prefills shared
+        prompts: dict[int, tuple[int, ...]] = {}
         ps = self.cfg.page_size
         for r, h, new, temp, cap in zip(requests, handles, news, temps, caps, strict=True):
             end = len(h.tokens) + len(new)
             if end + 1 > self.cfg.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
                 continue
-            if h.slot is not None and h.kv_length and h.version != self.version:
+            if h.slot is not None and h.kv_length and h.kv_version != self.version:
                 self._drop_kv(h, "version")  # stale KV is never attended
             # Nothing missing (a forked sibling): recompute the last token to get its logits.
             start = min(h.kv_length, end - 1)
@@ -377,42 +413,32 @@ class Engine(SiblingSharing):
                 if lead is not None:  # a sibling in this call computes the same context
                     follow.append((h, new, end, temp, cap, lead, None))
                     continue
-                src, n = self._best_source(h, ctx, r.share)
-                logits = self._cached_logits(ctx) if src is not None and n == end else None
+                src, n = self.sharing.best_source(h, ctx, r.share)
+                logits = self.sharing.cached_logits(ctx) if src is not None and n == end \
+                    else None
                 if logits is not None:  # all resident at a sibling, logits kept: no compute
                     follow.append((h, new, end, temp, cap, src, logits))
                     continue
                 if src is not None and n >= ps:
-                    self._attach(h, src, n)
+                    self.sharing.attach(h, src, n)
                     attached.append(h)
                     start = min(n, end - 1)
                 leaders[ctx] = h
                 if not h.tokens:
                     prompts[id(h)] = ctx
             rows.append((h, new, start, end, temp, cap))
-        try:
-            self._check_capacity(rows, extra_slots=len(follow))
-        except PoolExhaustedError:
-            for h in attached:
-                self._close(h)
-            raise
-        # Pages and slots are taken here, but a handle's contents (tokens, action, logprobs)
-        # change only after the device calls succeed: if one raises, every handle is as it was
-        # and its task can migrate to another rank with exactly its unfed tokens.
-        copies = []
-        for h, _, start, end, *_ in rows:
-            if h.slot is None:
-                h.slot = self.pages.open()
-            copies += self.pages.reserve(h.slot, start, end)
-            st.slots[h.slot] = h
-        self._apply_copies(copies)
+        return rows, follow, attached, prompts
+
+    def _compute_rows(self, rows: list[tuple]) -> dict[int, tuple]:
+        """The device calls of a prefill: long inputs advance one chunk per call, so rows
+        finish in different calls. id(handle) -> (packed sample, device logits, row, host
+        logits when keep_logits)."""
         full = {id(h): h.tokens + new for h, new, *_ in rows}
         temp_of = {id(h): temp for h, _, _, _, temp, _ in rows}
         pos = {id(h): start for h, _, start, *_ in rows}
         results: dict[int, tuple] = {}
         chunk = self.cfg.prefill_buckets[-1]
         while pending := [(h, end) for h, _, _, end, *_ in rows if pos[id(h)] < end]:
-            # Long inputs advance one chunk per round; rows finish in different rounds.
             n = [min(chunk, end - pos[id(h)]) for h, end in pending]
             t = _bucket(max(n), self.cfg.prefill_buckets)
             b = _bucket(len(pending), self.cfg.decode_buckets)
@@ -427,17 +453,28 @@ class Engine(SiblingSharing):
                 pos[id(h)] += n[i]
                 if pos[id(h)] == end:
                     results[id(h)] = (packed[i], logits_bv, i, None if host is None else host[i])
-        for h, new, start, end, temp, cap in rows:
-            packed_2, logits_bv, i, host_v = results[id(h)]
-            self._count_compute(h, start, end)
-            self._append(h, new, end, temp, cap)
-            self.counters.prompt_tokens_shared += start if h in attached else 0
-            if id(h) in prompts:
-                self._keep_logits(prompts[id(h)], logits_bv[i])
-            self._take_sample(h, packed_2, host_v)
-        if follow:
-            self._sample_followers(follow, results)
-        return handles
+        return results
+
+    # -- what prefix sharing uses (`share.SharingHost`) ----------------------------------------
+    def ensure_slot(self, h: Prefix) -> None:
+        """Gives `h` a slot if it has none and records it as that slot's task."""
+        if h.slot is None:
+            h.slot = self.pages.open()
+        self._state().slots[h.slot] = h
+
+    def sample_rows(self, logits_nv, task_ids_n: np.ndarray, positions_n: np.ndarray,
+                    temperature_n: np.ndarray) -> np.ndarray:
+        """Samples one token per logits row, keyed by (task id, position): packed
+        (token, logprob bits) per row, on the device."""
+        return self._sample_fn(logits_nv, self.run_key, task_ids_n, positions_n, temperature_n)
+
+    def commit_prefill(self, h: Prefix, new: list[int], start: int, end: int, temp: float,
+                       cap: int, packed_2, logits_v) -> None:
+        """A prefill of `h` succeeded: `[start, end)` computed (on `start` resident tokens),
+        `new` appended and the sampled token (`packed_2`, with `logits_v` when kept) taken."""
+        self._count_compute(h, start, end)
+        self._append(h, new, end, temp, cap)
+        self._take_sample(h, packed_2, logits_v)
 
     def _append(self, h: Prefix, new: list[int], end: int, temp: float, cap: int) -> None:
         """A prefilled handle's new state (after its device work succeeded)."""
@@ -446,7 +483,7 @@ class Engine(SiblingSharing):
         if new:
             h.action_start, h.logprobs, h.versions = end, [], []
             h.stop_reason = StopReason.NONE
-        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+        h.kv_length, h.kv_version, h.drop_reason = end, self.version, "new"
         h.computed_max = max(h.computed_max, end)
         h.decoding = False
         self.counters.prefill_calls += 1
@@ -474,8 +511,8 @@ class Engine(SiblingSharing):
         if prefix.slot is None or prefix.kv_length != len(prefix.tokens) - 1:
             raise ValueError(f"task {prefix.task_id} is not prefilled (evicted or flushed); "
                              "call prefill(params, prefix, [], 0) first")
-        if prefix.version != self.version:
-            raise StaleKVError(f"task {prefix.task_id}: KV is of version {prefix.version}, the "
+        if prefix.kv_version != self.version:
+            raise StaleKVError(f"task {prefix.task_id}: KV is of version {prefix.kv_version}, the "
                                f"engine is at {self.version}; prefill it again")
         if slot is not None and slot != prefix.slot:
             self.pages.move(prefix.slot, slot)
@@ -494,9 +531,9 @@ class Engine(SiblingSharing):
             return st, ResultTokens(empty, empty, np.zeros(0, np.float32), empty, empty,
                                     self.filtered)
         for h in active:
-            if h.version != self.version:
+            if h.kv_version != self.version:
                 raise StaleKVError(
-                    f"slot {h.slot} (task {h.task_id}) holds KV of weight version {h.version} "
+                    f"slot {h.slot} (task {h.task_id}) holds KV of weight version {h.kv_version} "
                     f"but the engine is at {self.version}; call engine.flush() and prefill it "
                     "again")
         pos = [len(h.tokens) - 1 for h in active]

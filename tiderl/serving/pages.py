@@ -222,9 +222,9 @@ class Prefix:
     """A task's handle: its full context as token ids and where its KV lives.
 
     Owned by the caller across turns, pauses and evictions; the engine updates it in place.
-    `tokens[:kv_length]` are resident in KV (version `version`) when `slot` is not None; the
-    tokens after `kv_length` (the last sampled token, a new observation, or everything after an
-    eviction or a flush) are computed by the next `prefill`.
+    `tokens[:kv_length]` are resident in KV (of weight version `kv_version`) when `slot` is not
+    None; the tokens after `kv_length` (the last sampled token, a new observation, or everything
+    after an eviction or a flush) are computed by the next `prefill`.
     """
 
     task_id: int
@@ -236,7 +236,12 @@ class Prefix:
     """Weight version that produced each entry of `logprobs` (a flush can split an action)."""
     slot: int | None = None
     kv_length: int = 0
-    version: int = -1
+    kv_version: int = -1
+    """The engine weight version its resident KV was computed with (stale once the engine's
+    `version` moves on). Weight versions have one source, the trainer's `version`: a weight
+    sync stamps it on each engine (`Engine.version`), the engine stamps it on each sampled
+    token (`versions`, then `Trajectory.versions`) and on KV it computes (here); the
+    controller's `version` is its copy after each step."""
     action_start: int = 0
     temperature: float = 1.0
     max_action_tokens: int = 1
@@ -353,7 +358,7 @@ def best_source(h: Prefix, ctx, share, version: int) -> tuple[Prefix | None, int
     of `ctx` (h's context), and that length (prefix sharing of GRPO siblings)."""
     best, best_n = None, 0
     for s in share:
-        if s is h or s.slot is None or not s.kv_length or s.version != version:
+        if s is h or s.slot is None or not s.kv_length or s.kv_version != version:
             continue
         n = common_prefix(ctx, s.tokens, min(len(ctx), s.kv_length))
         if n > best_n:
@@ -367,14 +372,14 @@ def fork_children(h: Prefix, n: int, task_ids, version: int) -> list[Prefix]:
     ids do not match `n` or `h` has no current resident KV."""
     if len(task_ids) != n:
         raise ValueError(f"fork: got {len(task_ids)} task_ids for n={n} siblings")
-    if h.slot is None or not h.kv_length or h.version != version:
+    if h.slot is None or not h.kv_length or h.kv_version != version:
         raise ValueError(f"fork: task {h.task_id} has no current resident KV; prefill it "
                          "first")
     n_act = max(0, h.kv_length - h.action_start)
     children = []
     for tid in task_ids:
         child = Prefix(task_id=int(tid), tokens=h.tokens[: h.kv_length],
-                       kv_length=h.kv_length, version=h.version,
+                       kv_length=h.kv_length, kv_version=h.kv_version,
                        action_start=min(h.action_start, h.kv_length),
                        temperature=h.temperature, max_action_tokens=h.max_action_tokens,
                        computed_max=h.kv_length)

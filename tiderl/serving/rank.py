@@ -453,7 +453,7 @@ class RolloutRank:
 
     def _resident(self, p: Prefix | None) -> bool:
         return p is not None and p.slot is not None and p.kv_length > 0 \
-            and p.version == self.engine.version
+            and p.kv_version == self.engine.version
 
     def _share_sources(self, batch: list[int]) -> dict[str, list[Prefix]]:
         """Per group in `batch`: every handle of that group on this rank (the engine picks the

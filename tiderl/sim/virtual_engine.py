@@ -125,7 +125,7 @@ class SimEngine:
         self.version = self.version + 1 if version is None else version
         if flush:
             for p in self.slots.values():
-                if p.kv_length and p.version != self.version:
+                if p.kv_length and p.kv_version != self.version:
                     self._drop_kv(p, "version")
 
     # -- pages -------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class SimEngine:
             if end + 1 > self.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
                 continue
-            if h.slot is not None and h.kv_length and h.version != self.version:
+            if h.slot is not None and h.kv_length and h.kv_version != self.version:
                 self._drop_kv(h, "version")
             start, taken = min(h.kv_length, end - 1), 0
             if r.share is not None and not h.kv_length:
@@ -256,7 +256,7 @@ class SimEngine:
             h.action_start, h.logprobs, h.versions = end, [], []
             h.stop_reason = StopReason.NONE
         c.count_prefill(h, start, end)
-        h.kv_length, h.version, h.drop_reason = end, self.version, "new"
+        h.kv_length, h.kv_version, h.drop_reason = end, self.version, "new"
         h.computed_max = max(h.computed_max, end)
         c.prefill_calls += 1
         self._sample(h, 1)
