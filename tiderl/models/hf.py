@@ -3,7 +3,8 @@ LlamaForCausalLM, with Llama 3.1's 'llama3' RoPE scaling).
 
 Reads a local directory (`config.json` + `model.safetensors` or a sharded
 `model.safetensors.index.json`) into our layout, and writes our params back as HF safetensors so
-a trained policy can be served elsewhere. Never downloads anything.
+a trained policy can be served elsewhere. A llama.cpp `.gguf` file is first converted into such a
+directory (tiderl/models/gguf.py). Never downloads anything.
 """
 
 from __future__ import annotations
@@ -72,9 +73,17 @@ def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
             "rope_original_max_len": int(original)}
 
 
+def _folder(path: str | Path) -> Path:
+    """`path` itself, or for a .gguf file its converted HF folder (tiderl.models.gguf)."""
+    from tiderl.models.gguf import gguf_folder, is_gguf
+
+    return gguf_folder(path) if is_gguf(path) else Path(path)
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The raw `config.json` of a local HF directory (FileNotFoundError naming it otherwise)."""
-    p = Path(path) / "config.json"
+    """The raw `config.json` of a local HF directory (FileNotFoundError naming it otherwise);
+    a .gguf file is converted (once, cached) and its folder's config.json read."""
+    p = _folder(path) / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{str(p)!r} not found; model.checkpoint must be a local HF "
                                 "directory with config.json and *.safetensors")
@@ -82,7 +91,9 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def load_hf_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
-    """Our ModelConfig from an HF `config.json` (a ConfigError names any unsupported feature)."""
+    """Our ModelConfig from an HF `config.json` (a ConfigError names any unsupported feature).
+    For a .gguf file, `checkpoint` is its converted folder."""
+    path = _folder(path)
     hf = read_hf_config(path)
     where = f"config key 'model.checkpoint'={str(path)!r}: its config.json"
     arch = (hf.get("architectures") or ["?"])[0]
@@ -221,8 +232,9 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
     (each device receives only its shard). `scan_layers` builds the stacked layout
     (`model.scan_layers`): each kind of layer tensor is stacked on the host, then placed.
     Missing, unexpected and mis-shaped tensors are collected and reported in one error.
+    A .gguf file is read through its converted HF folder (tiderl.models.gguf).
     """
-    path = Path(path)
+    path = _folder(path)
     cfg = dataclasses.replace(load_hf_config(path, dtype=dtype), scan_layers=scan_layers)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
