@@ -23,6 +23,17 @@ orbax checkpoints. Faults, one run each, one after another:
                     skipped (counted in `nonfinite_skipped`) and the run go on
     nan_stop        NaN in every gradient from one step on: the run must stop cleanly after
                     `controller.max_nonfinite_steps` (exit 3, with a checkpoint)
+    nan_reward      a proxy in front of the env server rewrites rewards: every 4th /end reply
+                    NaN, every 5th /observation reply +inf (those tasks end bad_reward; their
+                    groups train on the rest or are dropped, counted)
+    null_reward     the proxy rewrites /end replies: every 4th reward null, every 6th a string,
+                    every 9th without its reward field (bad_reward, as above)
+    long_action     the env server accepts actions of at most 2 characters (env
+                    max_action_chars=2) while the policy writes up to 3 tokens: longer actions
+                    answer 413 and end action_too_long, which still trains
+    bad_options     a rogue client keeps sending /start with options clients may not set
+                    (cache_dir, max_sessions, an unknown key) to the job's env server: each
+                    must get 400 and open no session, and the job must not notice
 
 Engine and NaN faults need code inside the job: the job runs as
 `python benchmarks/chaos.py --child FAULT ... -- LAUNCH_ARGS`, which subclasses the real
@@ -66,7 +77,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FAULTS = ("none", "prefill_raise", "decode_raise", "rank_dead", "env_kill", "env_503",
-          "sigkill_resume", "nan", "nan_stop")
+          "sigkill_resume", "nan", "nan_stop", "nan_reward", "null_reward", "long_action",
+          "bad_options")
+REWARD_FAULTS = ("nan_reward", "null_reward")
+ROGUE_OPTIONS = ({"cache_dir": "/etc"}, {"max_sessions": "1"}, {"no_such_option": "1"})
 ENGINE_FAULTS = ("prefill_raise", "decode_raise", "rank_dead")
 ENV_OPTIONS = ("format_bonus=0.1", "hint=range", "targets=member")  # the embedded default's
 LATENCY = ("latency.dist=pareto", "latency.scale_s=0.02", "latency.alpha=1.5",
@@ -383,13 +397,97 @@ class Proxy503:
         try:
             async with self._http.request(request.method, self.upstream + str(request.rel_url),
                                           data=body, headers=headers) as r:
-                data = await r.read()
+                data = self.edit(request.path, r.status, await r.read())
                 out = {k: v for k, v in r.headers.items()
                        if k.lower() in ("content-type", "retry-after", "allow")}
                 self.forwarded += 1
                 return web.Response(body=data, status=r.status, headers=out)
         except (aiohttp.ClientError, OSError) as e:  # upstream down: what a real proxy says
             return web.json_response({"error": f"chaos proxy: upstream: {e}"}, status=502)
+
+    def edit(self, path: str, status: int, data: bytes) -> bytes:
+        """The upstream reply's body as forwarded (unchanged here)."""
+        return data
+
+
+class RewardProxy(Proxy503):
+    """The proxy, rewriting rewards in replies (`nan_reward`, `null_reward`): what a buggy
+    external environment sends. `rewrote` counts the replies changed."""
+
+    def __init__(self, upstream: str, kind: str):
+        super().__init__(upstream)
+        self.kind = kind
+        self.counts = {"/end": 0, "/observation": 0}
+        self.rewrote: dict[str, int] = {}
+
+    def edit(self, path: str, status: int, data: bytes) -> bytes:
+        if status != 200 or path not in self.counts:
+            return data
+        self.counts[path] += 1
+        n = self.counts[path]
+        body = json.loads(data)
+        what = None
+        if self.kind == "nan_reward":
+            if path == "/end" and n % 4 == 0:
+                body["reward"], what = float("nan"), "nan"
+            elif path == "/observation" and n % 5 == 0:
+                body["reward"], what = float("inf"), "inf"
+        elif path == "/end":
+            if n % 9 == 0:
+                body.pop("reward", None)
+                what = "missing"
+            elif n % 6 == 0:
+                body["reward"], what = "high", "string"
+            elif n % 4 == 0:
+                body["reward"], what = None, "null"
+        if what is None:
+            return data
+        self.rewrote[what] = self.rewrote.get(what, 0) + 1
+        return json.dumps(body).encode()  # NaN / Infinity literals, as Python's json writes
+
+
+class RogueClient:
+    """A second client of the job's env server, sending /start with options clients may not
+    set (ROGUE_OPTIONS) every `period_s` on its own thread; counts the replies by status."""
+
+    def __init__(self, url: str, period_s: float = 0.5):
+        self.url, self.period_s = url, period_s
+        self.statuses: dict[int, int] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True, name="rogue")
+
+    def __enter__(self) -> RogueClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _main(self) -> None:
+        import urllib.error
+        import urllib.request
+
+        k = 0
+        while not self._stop.wait(self.period_s):
+            options = ROGUE_OPTIONS[k % len(ROGUE_OPTIONS)]
+            k += 1
+            body = json.dumps({"task": {"task_id": f"rogue{k}", "seed": k},
+                               "options": options}).encode()
+            req = urllib.request.Request(self.url + "/start", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    status, text = resp.status, resp.read().decode()
+            except urllib.error.HTTPError as e:
+                status, text = e.code, e.read().decode(errors="replace")
+            except OSError as e:  # the server is busy or restarting: not what is tested
+                self.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+            if status != 400 or next(iter(options)) not in text:
+                self.errors.append(f"{options} -> HTTP {status}: {text[:160]}")
 
 
 def read_records(run: Path) -> list[dict]:
@@ -557,12 +655,15 @@ def run_fault(fault: str, a, work: Path) -> dict:
     row: dict = {"fault": fault, "expected": "finish", "rc": None, "why": "", "injected": False,
                  "notes": []}
     t0 = time.monotonic()
-    server = start_env_server(port, env_log, [])
-    proxy = None
+    server_args = ["max_action_chars=2"] if fault == "long_action" else []
+    server = start_env_server(port, env_log, server_args)
+    proxy = rogue = None
     try:
         url = f"http://127.0.0.1:{port}"
-        if fault == "env_503":
-            proxy = Proxy503(url).__enter__()
+        if fault == "bad_options":
+            rogue = RogueClient(url).__enter__()
+        if fault == "env_503" or fault in REWARD_FAULTS:
+            proxy = (Proxy503(url) if fault == "env_503" else RewardProxy(url, fault)).__enter__()
             url = f"http://127.0.0.1:{proxy.port}"
         args = base_args(a, run, url, steps)
         if fault == "sigkill_resume":
@@ -582,7 +683,7 @@ def run_fault(fault: str, a, work: Path) -> dict:
                 server.wait(10)
                 _mark(str(marker), fault=fault, at_step=n, down_s=a.outage_s)
                 time.sleep(a.outage_s)  # the job keeps running meanwhile
-                server = start_env_server(port, env_log, [])
+                server = start_env_server(port, env_log, server_args)
                 row["notes"].append(f"env server SIGKILLed at step {n}, back after "
                                     f"{a.outage_s:g}s")
             elif fault == "env_503" and n >= trigger:
@@ -629,9 +730,17 @@ def run_fault(fault: str, a, work: Path) -> dict:
             row["notes"].append("the job finished before the kill (no checkpoint >= steps/2 "
                                 "seen in time)")
         row["rc"], row["why"] = rc, why
-        if proxy is not None:
+        if isinstance(proxy, RewardProxy):
+            row["rewrote"] = dict(proxy.rewrote)
+            row["notes"].append(f"proxy rewrote rewards {proxy.rewrote}")
+        elif proxy is not None:
             row["notes"].append(f"proxy refused {proxy.refused}, forwarded {proxy.forwarded}")
     finally:
+        if rogue is not None:
+            rogue.__exit__(None, None, None)
+            row["rogue"] = {"statuses": rogue.statuses, "wrong": rogue.errors[:5]}
+            row["notes"].append(f"rogue /start replies {rogue.statuses}"
+                                + (f"; unexpected: {rogue.errors[:3]}" if rogue.errors else ""))
         stop(server)
         if proxy is not None:
             proxy.__exit__(None, None, None)
@@ -640,6 +749,16 @@ def run_fault(fault: str, a, work: Path) -> dict:
     allm = markers(marker)
     inj = [m for m in allm if "fault" in m]
     row["injected"] = fault == "none" or bool(inj)
+    reasons = row.get("end_reasons") or {}
+    if fault in REWARD_FAULTS:
+        row["injected"] = bool(row.get("rewrote"))
+        row["notes"].append(f"bad_reward tasks {reasons.get('bad_reward', 0)}")
+    elif fault == "long_action":
+        row["injected"] = bool(reasons.get("action_too_long"))
+        row["notes"].append(f"action_too_long tasks {reasons.get('action_too_long', 0)} "
+                            "(trained)")
+    elif fault == "bad_options":
+        row["injected"] = bool((row.get("rogue") or {}).get("statuses"))
     if inj and fault in ENGINE_FAULTS:
         i = inj[0]
         row["notes"].append(f"raised in {i['call']} on rank {i['rank']} at version "
@@ -668,6 +787,17 @@ def run_fault(fault: str, a, work: Path) -> dict:
             row["error"] = ""
     else:
         row["finished"] = row["rc"] == 0 and row["steps"] >= steps
+    if fault in REWARD_FAULTS and not reasons.get("bad_reward"):
+        row["finished"] = False
+        row["why"] += "; no task ended bad_reward"
+    if fault == "long_action" and row["failed"].get("action_too_long"):
+        row["finished"] = False
+        row["why"] += "; action_too_long tasks were not trained"
+    if fault == "bad_options":
+        rg = row.get("rogue") or {}
+        if rg.get("wrong") or set(rg.get("statuses") or {}) - {400}:
+            row["finished"] = False
+            row["why"] += "; a forbidden option was not refused with 400"
     row["crashed"] = not row["finished"]
     return row
 

@@ -41,8 +41,10 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -307,17 +309,17 @@ def warm_up(engine: Engine, rcfg: RolloutConfig) -> tuple[float, float]:
     return compile_s, min(times)
 
 
-def prepare(wl: Workload) -> list:
+def prepare(wl: Workload, state_dir: str) -> list:
     suite = "default" if wl.suite == "webshop" else wl.suite
     opts = dict(o.split("=", 1) for o in wl.options if not o.startswith("page="))
     src = TaskSource(suite, "train", groups=max(wl.groups, 2), group_size=wl.group_size,
                      options=opts)
     groups = [src.element(k) for k in range(wl.groups)]
     if wl.suite == "textworld":  # compile the games outside the timed steps (~2.5 s each)
-        from tiderl.envs.adapters.textworld import compile_game, default_cache_dir, game_shape
+        from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape
 
-        for g in groups:
-            compile_game(game_shape(g["tasks"][0], {}), default_cache_dir())
+        for g in groups:  # into the env server's own state folder, where its sessions look
+            compile_game(game_shape(g["tasks"][0], {}), cache_dir_of(state_dir))
     return groups
 
 
@@ -336,7 +338,8 @@ async def bench_workload(wl: Workload, args) -> dict:
     graphdef, params = init_policy(MODEL, seed=0)
     engine = Engine(graphdef, jax.device_put(params, jax.devices()[0]), MODEL, rcfg, seed=123)
     n_tasks = wl.groups * wl.group_size
-    groups = prepare(wl)
+    state_dir = tempfile.mkdtemp(prefix="tiderl-ctb-env-")  # the env server's; removed below
+    groups = prepare(wl, state_dir)
     compile_s, decode_step_s = warm_up(engine, rcfg)
     print(f"  [{wl.name}] compiled in {compile_s:.1f}s; one-row decode step "
           f"{1e3 * decode_step_s:.1f} ms", file=sys.stderr, flush=True)
@@ -347,7 +350,8 @@ async def bench_workload(wl: Workload, args) -> dict:
     runs: dict[Contender, list[dict]] = {}
     # One env worker thread: TextWorld's z-machine is not thread-safe (concurrent sessions in
     # threads crash it), so adapter calls are serialised; injected latency still overlaps.
-    async with EnvServer(adapter_for(wl.suite), env_cfg, workers=1).serve() as url:
+    async with EnvServer(adapter_for(wl.suite), env_cfg, workers=1,
+                         state_dir=state_dir).serve() as url:
         scheds: dict = {}
 
         async def once(c: Contender, label: str) -> dict:
@@ -407,6 +411,7 @@ async def bench_workload(wl: Workload, args) -> dict:
             solo[tid] = best
             print(f"  [{wl.name}] alone   {tid:18s} {best:6.2f}s (chain bound "
                   f"{ref['chains'][tid]:.2f}s)", file=sys.stderr, flush=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
     keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
             "decode_tokens", "decode_tok_s", "forced_evictions", "pauses", "parks", "mean_active",
             "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",

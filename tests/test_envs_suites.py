@@ -17,10 +17,11 @@ pytestmark = pytest.mark.asyncio
 
 
 @contextlib.asynccontextmanager
-async def suite(name: str, *options: str):
+async def suite(name: str, *options: str, state_dir=None):
     pytest.importorskip({"gym": "gymnasium"}.get(name, name))  # optional suites: skip if absent
     cfg = EnvConfig(suite=name, options=options, retries=0)
-    async with EnvServer(adapter_class(name), cfg).serve() as url, EnvClient(url, cfg) as env:
+    server = EnvServer(adapter_class(name), cfg, state_dir=state_dir)
+    async with server.serve() as url, EnvClient(url, cfg) as env:
         yield env
 
 
@@ -76,14 +77,15 @@ async def test_gym_invalid_action_costs_a_turn_and_names_valid_ones():
 
 @pytest.mark.slow
 async def test_textworld_walkthrough_reaches_full_score(tmp_path):
-    from tiderl.envs.adapters.textworld import compile_game, game_shape, walkthrough
+    from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape, walkthrough
 
     task = {"task_id": "tw0", "seed": 7, "rooms": 3, "objects": 4, "quest_length": 3}
-    async with suite("textworld", f"cache_dir={tmp_path}") as env:
+    games = cache_dir_of(str(tmp_path))  # the games the server compiled, in its state folder
+    async with suite("textworld", state_dir=str(tmp_path)) as env:
         s = await env.start(task)
         assert s.ok, s.error
         assert "$$" not in s.observation and "-=" in s.observation  # banner gone, room shown
-        commands = walkthrough(compile_game(game_shape(task, {}), str(tmp_path)))
+        commands = walkthrough(compile_game(game_shape(task, {}), games))
         assert len(commands) >= 1
         # What an untrained byte policy emits (NUL, control bytes, backslash hot keys) is a
         # harmless no-op command, not a dead interpreter; the walkthrough still wins after it.
@@ -95,7 +97,7 @@ async def test_textworld_walkthrough_reaches_full_score(tmp_path):
         end = await env.end(s.session)
     assert end.reward == 1.0 and end.info["won"] and end.info["score"] == end.info["max_score"]
     # A different seed is a different game (disjoint seeds give disjoint content).
-    other = walkthrough(compile_game(game_shape({**task, "seed": 8}, {}), str(tmp_path)))
+    other = walkthrough(compile_game(game_shape({**task, "seed": 8}, {}), games))
     assert other != commands
 
 

@@ -21,8 +21,9 @@ from tiderl.configlib import (
     to_dict,
 )
 from tiderl.control.config import ControllerConfig
-from tiderl.envs.config import EnvConfig
+from tiderl.envs.config import DEFAULT_MAX_ACTION_CHARS, EnvConfig
 from tiderl.models.config import ModelConfig
+from tiderl.models.tokenizer import max_token_chars
 from tiderl.runtime.devices import ClusterConfig, DevicePlan, cell_size_for, plan_devices
 from tiderl.runtime.world import DistributedConfig
 from tiderl.serving.config import RolloutConfig
@@ -111,11 +112,33 @@ class RunConfig:
                 "the GRPO importance ratios (behaviour logprobs are full-vocabulary); set "
                 f"rollout.{key}={off} (top-k/top-p stay available on the Engine for evaluation)")
         self.ers_enabled()  # controller.ers=on with roles that cannot move: fail now
+        self._fit_action_chars()
         if self.controller.system_prompt and self.model.tokenizer == "byte":
             raise ConfigError(
                 "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
+
+    def _fit_action_chars(self) -> None:
+        """env.max_action_chars against rollout.max_action_tokens: derived when 0 (at least
+        4096), else it must hold a whole action for the in-process server. Each token decodes
+        to at most `max_token_chars` characters (1 for the byte tokenizer)."""
+        env, r = self.env, self.rollout
+        per = max_token_chars(self.model.tokenizer)
+        if per is None:  # unreadable tokenizer: launch's check names it
+            per = 1
+        need = r.max_action_tokens * per
+        if env.max_action_chars == 0:
+            object.__setattr__(self, "env", dataclasses.replace(
+                env, max_action_chars=max(DEFAULT_MAX_ACTION_CHARS, need)))
+        elif env.max_action_chars < need and not env.url and env.kind == "env":
+            raise ConfigError(
+                f"config key 'env.max_action_chars'={env.max_action_chars} cannot hold "
+                f"rollout.max_action_tokens={r.max_action_tokens} tokens of model.tokenizer="
+                f"{self.model.tokenizer!r} (up to {per} character{'s' * (per != 1)} each, "
+                f"{need} in all); set "
+                f"env.max_action_chars={need} (or 0 to derive it) or lower "
+                "rollout.max_action_tokens")
 
     def ers_enabled(self, colocated: bool | None = None) -> tuple[bool, str]:
         """Whether elastic scaling runs, and why not when it does not. `controller.ers=on`
@@ -193,7 +216,14 @@ def component_defaults() -> dict[str, Any]:
 
 
 # What a preset starts from: its top-level `base:` key (the embedded default run if absent).
-BASES = {"default": lambda: to_dict(RunConfig()), "components": component_defaults}
+BASES = {"default": lambda: _unresolved(to_dict(RunConfig())), "components": component_defaults}
+
+
+def _unresolved(data: dict[str, Any]) -> dict[str, Any]:
+    """A RunConfig's dict with the keys it derives set back to 'derive' (0), so a preset or an
+    override changing what they derive from (rollout.max_action_tokens) moves them too."""
+    data["env"]["max_action_chars"] = 0
+    return data
 
 # Model keys the run chooses; every other `model.*` key describes the network's shape, which a
 # checkpoint (`model.checkpoint`, `model.init_from`) defines.
@@ -225,7 +255,12 @@ def resolve_model(model: dict[str, Any], explicit: dict[str, Any]) -> dict[str, 
 
     `explicit` holds the keys a preset or override set: those must agree with the checkpoint.
     `model.tokenizer`, when not set, becomes the checkpoint folder if it holds a tokenizer.json
-    (or, for `model.init_from`, the source run's tokenizer), else the byte tokenizer."""
+    (or, for `model.init_from`, the source run's tokenizer), else the byte tokenizer.
+    A `model.checkpoint` .gguf file becomes its converted HF folder (converted once, cached)."""
+    if (ckpt := model.get("checkpoint")) and str(ckpt).lower().endswith(".gguf"):
+        from tiderl.models.gguf import gguf_folder  # no JAX
+
+        model = {**model, "checkpoint": str(gguf_folder(ckpt))}
     source, theirs = source_model(model)
     if source is None:
         return model

@@ -2,8 +2,10 @@
 signals the paper schedules by (RAS, TPRM, head-of-line latency, deficits). No JAX.
 
 A group becomes ready when all its G tasks have ended. Tasks that failed in the environment
-(`env_error`, `timeout`, `cancelled`) carry no verdict: the group trains on the others when at
-least `min_ok_per_group` ended with one, else the whole group is dropped (both counted).
+(`env_error`, `timeout`, `cancelled`, `bad_reward`, ...) carry no verdict: the group trains on
+the others when at least `min_ok_per_group` ended with one, else the whole group is dropped
+(both counted). A task whose reward is not a finite number is `bad_reward` here whatever its
+runner said, so no NaN or inf ever reaches the advantages.
 Advantages are group-normalised over the tasks kept. Staleness is judged when the trainer takes
 a group: one whose oldest token is more than `max_staleness` versions behind the version being
 trained is dropped and counted, never silently trained on.
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from tiderl.serving.rollout import Trajectory
+from tiderl.envs.protocol import EndReason
+from tiderl.serving.rollout import VERDICTS, Trajectory
 from tiderl.train import ra2p
 from tiderl.train.advantages import group_advantages
 from tiderl.train.dispatch import TrainSequence
@@ -115,6 +119,10 @@ class ReadinessBuffer:
     # -- producer side -------------------------------------------------------------------------
     def add_group(self, trajs: Sequence[Trajectory], *, now: float) -> ReadyGroup | None:
         """A finished group; returns it when it is trainable, None when it was dropped."""
+        for t in trajs:
+            if t.end_reason in VERDICTS and not math.isfinite(t.reward):
+                t.end_reason = EndReason.bad_reward
+                t.error = t.error or f"reward {t.reward} is not a finite number"
         ok = [t for t in trajs if t.ok]
         for t in trajs:
             if not t.ok:

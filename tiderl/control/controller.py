@@ -185,6 +185,8 @@ class Controller(ReadinessAware):
         self._step_time = 0.0
         self._t0 = 0.0
         self._stop = False
+        self._saved = start_step
+        """The step of the last checkpoint the loop saved."""
         self._fatal: BaseException | None = None
         self.end_reason = ""
         """Why the run ended, in words (the summary's `ended`)."""
@@ -218,19 +220,22 @@ class Controller(ReadinessAware):
         t.add_done_callback(self._bg.discard)
 
     async def _run_group(self, group: dict) -> None:
+        """Plays a group, then it is trained (ready) or dropped (counted); a failure anywhere
+        in between stops the run with that error, never leaves the group in neither state."""
         try:
             trajs = await self.manager.run_group(group)
+            self.in_flight.discard(group["group_id"])
+            self.generated_tokens += sum(t.action_token_count for t in trajs)
+            trainable = self.buffer.add_group(trajs, now=self.now()) is not None
+            self.starvation.group_ended(trajs, trainable, self.now())
         except Exception as e:  # no rollout rank left, or a bug: stop the run, loudly
+            log.error("group %s: %s: %s; the run stops", group.get("group_id"),
+                      type(e).__name__, e)
             self._fatal = self._fatal or e
+            raise
+        finally:
             self._ready.set()
             self._changed.set()
-            raise
-        self.in_flight.discard(group["group_id"])
-        self.generated_tokens += sum(t.action_token_count for t in trajs)
-        trainable = self.buffer.add_group(trajs, now=self.now()) is not None
-        self.starvation.group_ended(trajs, trainable, self.now())
-        self._ready.set()
-        self._changed.set()
 
     def _throttled(self) -> bool:
         """Staleness throttle (AReaL's rule): groups started, less those dropped without
@@ -461,7 +466,7 @@ class Controller(ReadinessAware):
         evaluating = bool(c.eval_every and self.eval_groups)
         if evaluating:
             self._launch_eval()
-        saved = self.step
+        self._saved = self.step
         try:
             while self.step < c.steps and not self._stop:
                 if c.time_limit_s and self.now() - self._t0 > c.time_limit_s:
@@ -469,68 +474,90 @@ class Controller(ReadinessAware):
                                        f" reached after {self.step} of {c.steps} steps")
                     log.info("%s", self.end_reason)
                     break
-                t_roll = self.now()
-                self._phase = "filling"
-                try:
-                    if c.mode == "sync":
-                        await self._sync_rollout()
-                    rollout_s = self.now() - t_roll
-                    self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
-                    out = await self._train_step()
-                except _TimeUp:
-                    self.end_reason = (
-                        f"time limit (controller.time_limit_s={c.time_limit_s:g}) reached after "
-                        f"{self.step} of {c.steps} steps while waiting for trainable data "
-                        f"(groups dropped so far: {dict(self.buffer.dropped)})")
-                    log.warning("%s", self.end_reason)
+                done, stop = await self._one_step()
+                if done:
                     break
-                except _StreamEnded:
-                    self.end_reason = (f"the task stream ended (env.epochs) after {self.step} of "
-                                       f"{c.steps} steps")
-                    log.info("%s", self.end_reason)
-                    break
-                except Starved as e:
-                    self.end_reason = f"stopped at step {self.step}: {e}"
-                    stop = StarvedStop(f"{e} Stopped at step {self.step} with a checkpoint; "
-                                       "change the config, then --resume")
-                    break
-                out["t_train"] = (self._t_train_start, self.now())
-                self.step += 1
-                self.version = self.trainer.version
-                self._phase = "eval"
-                await self._await_eval()
-                self._phase = "sync"
-                sync_s = await self._boundary(out)
-                self._changed.set()
-                if c.mode == "sync":
-                    self.rwt += out["step_time"] + sync_s
-                    out["twt"] = rollout_s
-                self._log_step(out, sync_s)
-                if self.hooks.checkpoint is not None and c.checkpoint_every and (
-                        self.step % c.checkpoint_every == 0 or self.step == c.steps):
-                    await self.hooks.checkpoint(self.step, self.data_state())
-                    saved = self.step
-                if self.nonfinite >= c.max_nonfinite_steps:
-                    if self.hooks.checkpoint is not None:
-                        await self.hooks.checkpoint(self.step, self.data_state())
-                    raise NonFiniteStop(
-                        f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
-                        f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
-                        "trainer.grad_clip, then resume with --resume")
                 if evaluating and self.step % c.eval_every == 0 and self.step < c.steps:
                     self._launch_eval()
             if not self.end_reason:
                 self.end_reason = f"completed {self.step} of {c.steps} steps"
         finally:
-            self._stop = True
-            self._changed.set()
-            self._show_progress(force=True)  # where the rollout stood as the run ends
-            for task in (self._producer, self._ticker):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            await self._stop_background()
+        await self._wind_down(stop, evaluating)
+        if stop is not None:
+            stop.summary = self._summary()
+            raise stop
+        return self._summary()
+
+    async def _one_step(self) -> tuple[bool, StarvedStop | None]:
+        """Rolls out (sync mode) and trains one step, then the boundary, its record and its
+        checkpoint. Returns (the run ends here, the stop to raise if it was starved)."""
+        c = self.cfg
+        t_roll = self.now()
+        self._phase = "filling"
+        try:
+            if c.mode == "sync":
+                await self._sync_rollout()
+            rollout_s = self.now() - t_roll
+            self._t_roll = (t_roll, self.now()) if c.mode == "sync" else None
+            out = await self._train_step()
+        except _TimeUp:
+            self.end_reason = (
+                f"time limit (controller.time_limit_s={c.time_limit_s:g}) reached after "
+                f"{self.step} of {c.steps} steps while waiting for trainable data "
+                f"(groups dropped so far: {dict(self.buffer.dropped)})")
+            log.warning("%s", self.end_reason)
+            return True, None
+        except _StreamEnded:
+            self.end_reason = (f"the task stream ended (env.epochs) after {self.step} of "
+                               f"{c.steps} steps")
+            log.info("%s", self.end_reason)
+            return True, None
+        except Starved as e:
+            self.end_reason = f"stopped at step {self.step}: {e}"
+            return True, StarvedStop(f"{e} Stopped at step {self.step} with a checkpoint; "
+                                     "change the config, then --resume")
+        out["t_train"] = (self._t_train_start, self.now())
+        self.step += 1
+        self.version = self.trainer.version
+        self._phase = "eval"
+        await self._await_eval()
+        self._phase = "sync"
+        sync_s = await self._boundary(out)
+        self._changed.set()
+        if c.mode == "sync":
+            self.rwt += out["step_time"] + sync_s
+            out["twt"] = rollout_s
+        self._log_step(out, sync_s)
+        if self.hooks.checkpoint is not None and c.checkpoint_every and (
+                self.step % c.checkpoint_every == 0 or self.step == c.steps):
+            await self.hooks.checkpoint(self.step, self.data_state())
+            self._saved = self.step
+        if self.nonfinite >= c.max_nonfinite_steps:
+            if self.hooks.checkpoint is not None:
+                await self.hooks.checkpoint(self.step, self.data_state())
+            raise NonFiniteStop(
+                f"{self.nonfinite} consecutive non-finite updates (skipped) at step "
+                f"{self.step}; stopped with a checkpoint. Lower trainer.lr or raise "
+                "trainer.grad_clip, then resume with --resume")
+        return False, None
+
+    async def _stop_background(self) -> None:
+        """The producer and the progress ticker stop (the last progress line is shown)."""
+        self._stop = True
+        self._changed.set()
+        self._show_progress(force=True)  # where the rollout stood as the run ends
+        for task in (self._producer, self._ticker):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _wind_down(self, stop: StarvedStop | None, evaluating: bool) -> None:
+        """After the loop: the last checkpoint, the final evaluation (none when stopping on an
+        error), pending role changes, and the rollouts still in flight cancelled."""
+        c = self.cfg
         if self.hooks.checkpoint is not None and (
-                stop is not None or c.checkpoint_every and self.step > saved):
+                stop is not None or c.checkpoint_every and self.step > self._saved):
             # Ended early (time limit, stream exhausted, starved): the last weights are saved.
             await self.hooks.checkpoint(self.step, self.data_state())
         if stop is not None:  # no final evaluation: the run is stopping on an error
@@ -546,10 +573,6 @@ class Controller(ReadinessAware):
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
-        if stop is not None:
-            stop.summary = self._summary()
-            raise stop
-        return self._summary()
 
     async def _tick(self) -> None:
         """The live progress line (and gauges), once a second while the run goes."""

@@ -14,6 +14,11 @@ from tiderl.envs.config import EnvConfig, with_default_token
 
 
 def parse(argv: list[str] | None = None) -> EnvConfig:
+    return parse_args(argv)[0]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[EnvConfig, str]:
+    """(the server's EnvConfig, its --state-dir or '')."""
     p = argparse.ArgumentParser(prog="python -m tiderl.envs", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve one env suite over HTTP")
@@ -25,6 +30,10 @@ def parse(argv: list[str] | None = None) -> EnvConfig:
     s.add_argument("--token", default="", help="require this bearer token on every route")
     s.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="suite option, repeatable (e.g. --option game=Taxi-v4)")
+    s.add_argument("--state-dir", default="", metavar="DIR",
+                   help="the server's folder for adapter files such as TextWorld's compiled "
+                        "games (kept across restarts); default: a private temporary folder, "
+                        "removed at exit")
     s.add_argument("overrides", nargs="*", metavar="env.KEY=VALUE",
                    help="EnvConfig overrides, e.g. idle_timeout_s=60 latency.dist=lognormal")
     args = p.parse_args(argv)
@@ -33,15 +42,16 @@ def parse(argv: list[str] | None = None) -> EnvConfig:
     data = {"suite": args.adapter or args.suite, "host": args.host, "port": args.port, "token": args.token,
             "options": list(args.option)}
     overrides = [o.removeprefix("env.") for o in args.overrides]
-    return from_dict(EnvConfig, apply_overrides(EnvConfig, data, overrides), prefix="env")
+    return (from_dict(EnvConfig, apply_overrides(EnvConfig, data, overrides), prefix="env"),
+            args.state_dir)
 
 
-async def serve(cfg: EnvConfig) -> None:
+async def serve(cfg: EnvConfig, state_dir: str = "") -> None:
     from tiderl.envs.server import EnvServer
     from tiderl.envs.suites import adapter_class
 
     cfg, generated = with_default_token(cfg)
-    server = EnvServer(adapter_class(cfg.suite), cfg)
+    server = EnvServer(adapter_class(cfg.suite), cfg, state_dir=state_dir or None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -60,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     try:
-        cfg = parse(argv)
+        cfg, state_dir = parse_args(argv)
         if ":" in cfg.suite:  # the user's class: import it now, so a bad name is one line
             from tiderl.envs.suites import adapter_class
 
             adapter_class(cfg.suite)
         # A bad suite option is a ConfigError from the server's startup, before it listens.
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, state_dir))
     except ConfigError as e:
         print(f"tiderl.envs: error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import random
 import uuid
 from typing import Any
@@ -28,13 +29,34 @@ RETRY_STATUS = frozenset({429, 502, 503, 504})
 
 
 class _Failure:
-    """A call that did not get a 200: why (EndReason) and what we know."""
+    """A call that did not get a 200: why (EndReason), what we know, and the HTTP status (0
+    when no reply came)."""
 
-    __slots__ = ("reason", "error")
+    __slots__ = ("reason", "error", "status")
 
-    def __init__(self, reason: EndReason, error: str):
+    def __init__(self, reason: EndReason, error: str, status: int = 0):
         self.reason = reason
         self.error = error
+        self.status = status
+
+
+def parse_reward(reply: dict[str, Any], *, required: bool) -> tuple[float | None, str]:
+    """(reward, '') from a reply, or (None, why) when its reward is not a finite number (NaN,
+    inf, a string, a server's `reward_error`, or — when `required`, as in /end — null or
+    missing). A null or missing reward where one is optional is (None, '')."""
+    if reply.get("reward_error"):
+        return None, f"the environment's reward is unusable: {reply['reward_error']}"
+    value = reply.get("reward")
+    if value is None:
+        if required:
+            return None, ("the reply has no reward" if "reward" not in reply
+                          else "the reply's reward is null")
+        return None, ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"the reply's reward {value!r} is not a number"
+    if not math.isfinite(value):
+        return None, f"the reply's reward is {value}, not a finite number"
+    return float(value), ""
 
 
 class EnvClient:
@@ -99,12 +121,17 @@ class EnvClient:
                                {"session": session, "action": action, "request_id": _rid()})
         self.latency_s["step"].append(asyncio.get_running_loop().time() - t0)
         if isinstance(out, _Failure):
+            if out.status == 413:  # over env.max_action_chars (or the body limit)
+                return StepResult(done=True, reason=EndReason.action_too_long, error=out.error)
             return StepResult(done=True, reason=out.reason, error=out.error)
-        reward = out.get("reward")
+        reward, bad = parse_reward(out, required=False)
+        if bad:
+            return StepResult(done=True, reason=EndReason.bad_reward,
+                              error=f"/observation: {bad}")
+        turn = out.get("turn", 0)
         return StepResult(observation=str(out.get("observation", "")),
-                          done=bool(out.get("done", False)),
-                          reward=None if reward is None else float(reward),
-                          turn=int(out.get("turn", 0)),
+                          done=bool(out.get("done", False)), reward=reward,
+                          turn=turn if isinstance(turn, int) else 0,
                           truncated=str(out.get("truncated", "")))
 
     async def end(self, session: str) -> EndResult:
@@ -112,9 +139,11 @@ class EnvClient:
         out = await self._call("POST", "/end", {"session": session, "request_id": _rid()})
         if isinstance(out, _Failure):
             return EndResult(reason=out.reason, error=out.error)
+        reward, bad = parse_reward(out, required=True)
+        if bad or reward is None:
+            return EndResult(reason=EndReason.bad_reward, error=f"/end: {bad}")
         info = out.get("info")
-        return EndResult(reward=float(out.get("reward", 0.0)),
-                         info=info if isinstance(info, dict) else {})
+        return EndResult(reward=reward, info=info if isinstance(info, dict) else {})
 
     async def pause(self, session: str) -> OpResult:
         """Parks the session: the server's idle clock stops until resume."""
@@ -172,7 +201,8 @@ class EnvClient:
                     return data
                 message = data.get("error") if isinstance(data, dict) else None
                 failure = _Failure(EndReason.env_error,
-                                   f"{path}: HTTP {status}: {message or 'no JSON error body'}")
+                                   f"{path}: HTTP {status}: {message or 'no JSON error body'}",
+                                   status)
                 if status not in RETRY_STATUS:
                     return failure
             if attempt == cfg.retries:

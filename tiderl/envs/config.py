@@ -10,6 +10,8 @@ from typing import Literal
 from tiderl.configlib import LOOPBACK, ConfigError
 
 SUITES = ("default", "gym", "textworld", "textarena")
+DEFAULT_MAX_ACTION_CHARS = 4096
+"""env.max_action_chars of a server with none derived (the least a run derives)."""
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -160,8 +162,12 @@ class EnvConfig:
     """A paused session is reaped after this long paused (guards against a dead controller)."""
     max_request_bytes: int = 1 << 20
     """Largest request body the server reads; larger ones answer 413."""
-    max_action_chars: int = 4096
-    """Longest action string accepted by /observation; longer ones answer 413."""
+    max_action_chars: int = 0
+    """Longest action string accepted by /observation; longer ones answer 413 and end that task
+    action_too_long (it still trains). 0: derived — in a run, room for rollout.max_action_tokens
+    tokens of the run's tokenizer (each at most its longest token's characters: 1 for the byte
+    tokenizer), at least 4096; a server started on its own takes 4096. A run checks that a value
+    it sets for its in-process server holds a whole action."""
     max_turns: int = 256
     """Turn limit of an episode: the run's episode runner ends a task after this many actions
     (end reason turn_limit), and the env server (in-process or `python -m tiderl.envs serve`)
@@ -210,9 +216,12 @@ class EnvConfig:
         for name in ("connect_timeout_s", "request_timeout_s", "call_deadline_s", "backoff_s",
                      "backoff_max_s", "idle_timeout_s", "max_pause_s"):
             _positive("env", name, getattr(self, name))
-        for name in ("max_sessions", "max_request_bytes", "max_action_chars", "max_turns",
+        for name in ("max_sessions", "max_request_bytes", "max_turns",
                      "group_size", "train_groups", "eval_groups"):
             _positive("env", name, getattr(self, name))
+        if self.max_action_chars < 0:
+            raise ConfigError(f"config key 'env.max_action_chars' must be >= 0 (0: derived from "
+                              f"rollout.max_action_tokens), got {self.max_action_chars}")
         if self.retries < 0:
             raise ConfigError(f"config key 'env.retries' must be >= 0, got {self.retries}")
         if not 0 <= self.port < 65536:
@@ -240,6 +249,11 @@ class EnvConfig:
     def suite_name(self) -> str:
         """The adapter suite an env task uses ('' resolves to the default task)."""
         return self.suite or "default"
+
+    @property
+    def action_chars(self) -> int:
+        """The action length limit a server enforces (`max_action_chars`, or its default)."""
+        return self.max_action_chars or DEFAULT_MAX_ACTION_CHARS
 
     def option_dict(self) -> dict[str, str]:
         """`options` as a dict of strings (suites parse their own values)."""

@@ -12,7 +12,13 @@ JSON over HTTP:
 
 Errors are `{"error": message}` with a 4xx (the caller's fault) or 500 (the environment's).
 `options` ({key: value} strings) are the job's env.options: they override the server's own
-suite options for that session, so an external server plays the task the job configured.
+suite options for that session, so an external server plays the task the job configured. A
+client may set only the options its adapter lists in `client_options` (an option equal to the
+server's own value is no override and always passes); any other answers 400 naming it. Paths
+and other server-side settings never come from a client.
+A reward in a reply is a finite number or null (none this step); an adapter's reward that is
+not one is sent as null with a `reward_error` message, and the client ends that task
+`bad_reward`.
 `request_id` is an idempotency key: a retried request with the same key gets the first reply
 instead of being applied twice, which is what makes client retries of /observation safe.
 """
@@ -33,7 +39,15 @@ class EndReason(enum.StrEnum):
     context_limit = "context_limit"
     env_error = "env_error"
     reward_error = "reward_error"
-    """The reward function (env.reward) raised, timed out or returned no number."""
+    """The reward function (env.reward) raised or timed out."""
+    bad_reward = "bad_reward"
+    """A reward that is not a finite number: NaN, inf, null, a string, or none at all in an
+    /end reply, from the environment or returned by the reward function. The task fails (no
+    verdict); its group trains on the rest."""
+    action_too_long = "action_too_long"
+    """The action was longer than the env server accepts (env.max_action_chars, HTTP 413): the
+    episode ends there with a verdict (the env's /end reward of the episode so far) and
+    trains, like turn_limit."""
     timeout = "timeout"
     cancelled = "cancelled"
 

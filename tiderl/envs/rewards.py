@@ -9,8 +9,9 @@ chat messages (`messages`, the last action's text as `completion`, the environme
 `env_reward` and `/end` info when there is one). A dict return carries the reward under
 "reward"; its other JSON-able keys land in the trajectory's info. Sync functions run on a
 worker thread (never on the event loop), each call bounded by `env.reward_timeout_s`.
-Failures are values: an exception, a timeout or a return that is not a finite number fails that
-task (`reward_error`, with the message); the rest of its group still trains.
+Failures are values: an exception or a timeout fails that task (`reward_error`, with the
+message), a return that is not a finite number (NaN, inf, None, a string, a dict without
+"reward") fails it `bad_reward`; the rest of its group still trains.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class Score:
     reward: float = 0.0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str = ""
+    reason: EndReason | None = None
+    """Set with `error`: reward_error (raised, timed out) or bad_reward (returned no finite
+    number)."""
 
 
 class RewardFn:
@@ -87,9 +91,11 @@ class RewardFn:
                 out = await asyncio.wait_for(out, self.timeout_s)
         except TimeoutError:
             return self._fail(task, f"reward function {self.spec} took longer than "
-                                    f"env.reward_timeout_s={self.timeout_s:g}s")
+                                    f"env.reward_timeout_s={self.timeout_s:g}s",
+                              EndReason.reward_error)
         except Exception as e:  # noqa: BLE001 - the user's code failing is this task's failure
-            return self._fail(task, f"reward function {self.spec} raised {type(e).__name__}: {e}")
+            return self._fail(task, f"reward function {self.spec} raised {type(e).__name__}: {e}",
+                              EndReason.reward_error)
         return self._parse(task, out)
 
     def _parse(self, task: Mapping[str, Any], out: Any) -> Score:
@@ -102,22 +108,27 @@ class RewardFn:
                                         "{'reward': float, ...}")
             value = out["reward"]
             info = {str(k): v for k, v in out.items() if k != "reward"}
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(
-                value, "__float__"):
+        if isinstance(value, (bool, str, bytes)) or not isinstance(value, (int, float)) and (
+                not hasattr(value, "__float__")):
             return self._fail(task, f"reward function {self.spec} returned {value!r}; return a "
                                     "float or {'reward': float, ...}")
-        reward = float(value)
+        try:
+            reward = float(value)
+        except (TypeError, ValueError) as e:
+            return self._fail(task, f"reward function {self.spec} returned {value!r} ({e}); "
+                                    "return a float or {'reward': float, ...}")
         if not math.isfinite(reward):
             return self._fail(task, f"reward function {self.spec} returned {reward}; rewards "
                                     "must be finite")
         return Score(reward, info)
 
-    def _fail(self, task: Mapping[str, Any], message: str) -> Score:
+    def _fail(self, task: Mapping[str, Any], message: str,
+              reason: EndReason = EndReason.bad_reward) -> Score:
         self.failures += 1
         if self.failures <= 5 or self.failures % 100 == 0:
             log.warning("task %s: %s (%d reward failures so far)", task.get("task_id", "?"),
                         message, self.failures)
-        return Score(error=message)
+        return Score(error=message, reason=reason)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -172,5 +183,5 @@ class RewardedEnv:
                      env_reward=e.reward, info=dict(e.info))
         s = await self.reward(lg.task, ep)
         if s.error:
-            return EndResult(reason=EndReason.reward_error, error=s.error)
+            return EndResult(reason=s.reason or EndReason.reward_error, error=s.error)
         return EndResult(reward=s.reward, info={**e.info, **s.info})

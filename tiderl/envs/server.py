@@ -1,8 +1,14 @@
 """aiohttp env server hosting any adapter behind the env protocol (see protocol.py). No JAX.
 
-Sessions live in memory. Each session's requests are serialised by its own lock; the adapter of
-a session is never called concurrently. A reaper closes sessions idle for `idle_timeout_s`; the
-idle clock stops while a session is paused (the point of /pause: CTB may park a task for long).
+Sessions live in memory. Each session's requests (/observation, /end, /pause, /resume) are
+serialised by its own lock and mark it busy; the adapter of a session is never called
+concurrently, and the reaper never closes a busy session. The reaper closes sessions idle for
+`idle_timeout_s`; the idle clock stops while a session is paused (the point of /pause: CTB may
+park a task for long).
+
+A client's /start options are checked against the adapter's `client_options`; paths never
+come from a client: adapters keep their files (TextWorld's compiled games) in the server's own
+`state_dir`, a private folder made at startup unless the server is given one.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import math
+import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -79,13 +89,22 @@ class EnvServer:
 
     def __init__(self, adapter_cls: type[Adapter] | Callable[..., Adapter], cfg: EnvConfig,
                  *, options: Mapping[str, str] | None = None, suite: str | None = None,
-                 workers: int = 8):
+                 workers: int = 8, state_dir: str | None = None):
         self.cfg = cfg
         self.suite = suite or cfg.suite_name
         self._make = adapter_cls
         self._options = dict(cfg.option_dict() if options is None else options)
+        self.client_options: frozenset[str] = frozenset(
+            getattr(adapter_cls, "client_options", frozenset()))
+        """Options a /start may set (the adapter's allow-list)."""
+        self._own_state_dir = state_dir is None
+        self.state_dir = tempfile.mkdtemp(prefix="tiderl-env-") if state_dir is None else (
+            os.path.abspath(state_dir))
+        """The adapters' folder (caches): private to this server (mode 0700) unless given, and
+        then removed at shutdown."""
+        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         try:  # bad suite options fail here, at startup, not at the first /start
-            self._make(self._options)
+            self._new_adapter(self._options)
         except ValueError as e:  # TaskError, or an adapter's own check of an option's value
             opts = [f"{k}={v}" for k, v in self._options.items()]
             raise ConfigError(f"config key 'env.options'={opts}: {e}; fix that option "
@@ -139,6 +158,8 @@ class EnvServer:
         for s in list(self._sessions.values()):
             await self._close(s, "server shutdown")
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     async def _reaper(self) -> None:
         period = min(self.cfg.idle_timeout_s, self.cfg.max_pause_s) / 4
@@ -217,6 +238,21 @@ class EnvServer:
                                      "new one")
         raise ProtocolError(404, f"unknown session {session_id!r}; use the id /start returned")
 
+    def _new_adapter(self, options: Mapping[str, str]) -> Adapter:
+        adapter = self._make(options)
+        adapter.state_dir = self.state_dir
+        return adapter
+
+    def _check_client_options(self, options: Mapping[str, str]) -> None:
+        """Refuses (400) a client's option the adapter does not let clients set, unless it only
+        repeats the server's own value (a job sends its env.options to its in-process server)."""
+        for key, value in options.items():
+            if key not in self.client_options and self._options.get(key) != value:
+                allowed = ", ".join(sorted(self.client_options)) or "none"
+                raise ProtocolError(400, f"option {key!r} may not be set by a client (suite "
+                                         f"{self.suite}; clients may set: {allowed}); drop it "
+                                         "from env.options, or set it when starting the server")
+
     async def _call(self, adapter: Adapter, fn: Callable[..., Any], *args: Any) -> Any:
         if adapter.blocking:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -252,6 +288,7 @@ class EnvServer:
 
     async def _start(self, request: web.Request) -> web.Response:
         req = StartRequest.parse(await self._body(request))
+        self._check_client_options(req.options)
         if req.request_id is not None:
             if req.request_id in self._start_replies:
                 return _json(self._start_replies[req.request_id])
@@ -288,7 +325,7 @@ class EnvServer:
         session_id = uuid.uuid4().hex
         task_id = str(task.get("task_id", session_id))
         try:
-            adapter = self._make({**self._options, **(options or {})})
+            adapter = self._new_adapter({**self._options, **(options or {})})
         except TaskError as e:
             return 422, {"error": f"bad suite options: {e}"}
         except ValueError as e:
@@ -319,7 +356,7 @@ class EnvServer:
 
     async def _step(self, request: web.Request) -> web.Response:
         req = StepRequest.parse(await self._body(request),
-                                max_action_chars=self.cfg.max_action_chars)
+                                max_action_chars=self.cfg.action_chars)
         s = self._live(req.session)
         s.busy += 1
         try:
@@ -347,9 +384,11 @@ class EnvServer:
                 s.turn += 1
                 done = bool(step.done) or s.turn >= self.cfg.max_turns
                 s.done = done
+                reward, bad = _reward(step.reward, optional=True)
                 body = {"observation": str(step.observation), "done": done,
-                        "reward": None if step.reward is None else float(step.reward),
-                        "turn": s.turn}
+                        "reward": reward, "turn": s.turn}
+                if bad:
+                    body["reward_error"] = bad
                 if done and not step.done:
                     body["truncated"] = "turn_limit"
                 s.last_request_id, s.last_reply = req.request_id, (200, body)
@@ -375,9 +414,12 @@ class EnvServer:
                 self._sessions.pop(s.id)
                 self._gauges()
                 try:
-                    reward, info = await self._call(s.adapter, s.adapter.close)
-                    status, body = 200, {"reward": float(reward), "info": _jsonable(info),
+                    value, info = await self._call(s.adapter, s.adapter.close)
+                    reward, bad = _reward(value, optional=False)
+                    status, body = 200, {"reward": reward, "info": _jsonable(info),
                                          "turns": s.turn}
+                    if bad:
+                        body["reward_error"] = bad
                     why = "ended by /end"
                 except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
                     status, body = 500, {"error": f"environment failed in close: "
@@ -392,30 +434,36 @@ class EnvServer:
             s.busy -= 1
 
     async def _pause(self, request: web.Request) -> web.Response:
-        req = SessionRequest.parse(await self._body(request))
-        s = self._live(req.session)
-        if not s.paused:
-            s.paused = True
-            s.paused_at = asyncio.get_running_loop().time()
-            self._gauges()
-            try:
-                await self._call(s.adapter, s.adapter.pause)
-            except Exception as e:  # noqa: BLE001
-                return await self._adapter_failed(s, "pause", e)
-        return _json({"session": s.id, "paused": True})
+        return await self._park(request, paused=True)
 
     async def _resume(self, request: web.Request) -> web.Response:
+        return await self._park(request, paused=False)
+
+    async def _park(self, request: web.Request, *, paused: bool) -> web.Response:
+        """/pause or /resume: under the session's lock and marked busy, like /observation, so
+        the adapter's pause never runs beside its step and the reaper never closes it midway."""
         req = SessionRequest.parse(await self._body(request))
         s = self._live(req.session)
-        if s.paused:
-            s.paused = False
+        where = "pause" if paused else "resume"
+        s.busy += 1
+        try:
+            async with s.lock:
+                if req.session not in self._sessions:
+                    return _json({"error": f"session {s.id!r} ended while this request "
+                                           "waited"}, 410)
+                if s.paused != paused:
+                    try:
+                        await self._call(s.adapter, s.adapter.pause if paused
+                                         else s.adapter.resume)
+                    except Exception as e:  # noqa: BLE001
+                        return await self._adapter_failed(s, where, e)
+                    s.paused = paused
+                    s.paused_at = asyncio.get_running_loop().time()  # the paused clock starts
+                    self._gauges()
+                return _json({"session": s.id, "paused": paused})
+        finally:
+            s.busy -= 1
             s.last_active = asyncio.get_running_loop().time()
-            self._gauges()
-            try:
-                await self._call(s.adapter, s.adapter.resume)
-            except Exception as e:  # noqa: BLE001
-                return await self._adapter_failed(s, "resume", e)
-        return _json({"session": s.id, "paused": False})
 
     async def _health(self, request: web.Request) -> web.Response:
         return _json({"status": "ok", "suite": self.suite, "sessions": len(self._sessions),
@@ -454,6 +502,23 @@ def _json(body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | 
 def _plain_headers(e: web.HTTPException) -> dict[str, str]:
     # Keep Allow (405) and Retry-After; drop Content-Type/Length of the plain-text body.
     return {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
+
+
+def _reward(value: Any, *, optional: bool) -> tuple[float | None, str]:
+    """An adapter's reward as the reply carries it: (a finite float, ''), or (None, why not)
+    for NaN, inf, a non-number, or None where a reward is due (/end). The JSON stays standard
+    (no NaN literal); the client ends such a task bad_reward."""
+    if value is None:
+        return None, "" if optional else "the adapter returned no reward (None)"
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        return None, f"the adapter returned reward {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(number):
+        return None, f"the adapter returned reward {number}, not a finite number"
+    return number, ""
 
 
 def _jsonable(value: Any) -> Any:

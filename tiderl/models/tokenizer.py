@@ -9,6 +9,7 @@ HFTokenizer also reads a checkpoint folder's chat facts: `chat_template`, `eos_i
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -169,6 +170,37 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) and template.strip() else None
+
+
+def max_token_chars(spec: str) -> int | None:
+    """An upper bound on the characters one token of tokenizer `spec` decodes to: 1 for the
+    byte tokenizer (a byte decodes to at most one character, U+FFFD for a stray byte); for a
+    tokenizer.json, its longest vocabulary or added token's text plus one (byte-level BPE
+    writes one character per byte, SentencePiece's '▁' is one space, byte-fallback '<0xNN>'
+    is one byte, and a decoder adds at most one space before a token). None when the file
+    cannot be read (loading the tokenizer reports that). Reads only the JSON, no `tokenizers`."""
+    if spec == "byte":
+        return 1
+    p = Path(spec)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    try:
+        return _longest_token(str(p), p.stat().st_mtime_ns)
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token(path: str, _mtime_ns: int) -> int:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    pieces = list(vocab) if isinstance(vocab, dict) else [  # Unigram: [[piece, score], ...]
+        v[0] for v in vocab if isinstance(v, list) and v and isinstance(v[0], str)]
+    pieces += [t.get("content", "") for t in data.get("added_tokens") or []
+               if isinstance(t, dict)]
+    if not pieces:
+        raise ValueError(f"{path}: no vocabulary")
+    return max(len(t) for t in pieces if isinstance(t, str)) + 1
 
 
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -8,8 +8,11 @@ every event that changes usage or state; their decisions are applied here: `Admi
 task, `Pause` parks it on its rank and calls `/pause` on its env session, `Resume` revives it
 (migrating its handle when the rank changes) and calls `/resume`.
 
-Failures are values: an env error or timeout ends the task with that `EndReason`; a rank whose
-engine raises is quarantined (`RankFailedError`), its tasks resume on the other ranks.
+Failures are values: an env error or timeout ends the task with that `EndReason`, and so does a
+reward that is not a finite number (`bad_reward`: never a NaN in a group's advantages); an
+action longer than the env server takes ends it `action_too_long`, a verdict that trains like
+a turn limit; a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
+on the other ranks.
 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
@@ -44,6 +47,11 @@ BUSY_TAU_S = 2.0
 """Time constant of the engine busy share the scheduler sees (seconds of loop time)."""
 
 
+VERDICTS = frozenset({EndReason.done, EndReason.turn_limit, EndReason.context_limit,
+                      EndReason.action_too_long})
+"""End reasons of a trainable trajectory (the others carry no verdict)."""
+
+
 class RolloutFailedError(RuntimeError):
     """Every rollout rank has been quarantined: no task can run any more."""
 
@@ -73,8 +81,9 @@ class Trajectory:
 
     @property
     def ok(self) -> bool:
-        """Trainable: the episode ran to a verdict (done, turn or context limit)."""
-        return self.end_reason in (EndReason.done, EndReason.turn_limit, EndReason.context_limit)
+        """Trainable: the episode ran to a verdict (done, a turn, context or action-length
+        limit) with a finite reward."""
+        return self.end_reason in VERDICTS and math.isfinite(self.reward)
 
     @property
     def min_version(self) -> int:
@@ -364,14 +373,7 @@ class RolloutManager:
                     traj.end_reason = EndReason.turn_limit
                     break
                 new_tokens = transcript.add_observation(step.observation)
-            end = await self.env.end(ep.session)
-            if end.ok:
-                traj.reward = float(end.reward)
-                traj.info = dict(end.info)
-            elif reward is not None and end.reason != EndReason.reward_error:
-                traj.reward = float(reward)
-            elif traj.ok:
-                traj.end_reason, traj.error = end.reason, end.error
+            self._settle(traj, await self.env.end(ep.session), reward)
             return traj
         except asyncio.CancelledError:
             traj.end_reason = EndReason.cancelled
@@ -387,6 +389,22 @@ class RolloutManager:
             self._close(ep)
             self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
                 str(traj.end_reason), 0) + 1
+
+    @staticmethod
+    def _settle(traj: Trajectory, end: Any, reward: float | None) -> None:
+        """The episode's reward from its /end reply (else the last step's, unless the reward
+        itself failed); a task with a verdict but no finite reward ends bad_reward."""
+        if end.ok:
+            traj.reward = float(end.reward)
+            traj.info = dict(end.info)
+        elif reward is not None and end.reason not in (EndReason.reward_error,
+                                                       EndReason.bad_reward):
+            traj.reward = float(reward)
+        elif traj.end_reason in VERDICTS:
+            traj.end_reason, traj.error = end.reason, end.error
+        if traj.end_reason in VERDICTS and not math.isfinite(traj.reward):
+            traj.end_reason = EndReason.bad_reward
+            traj.error = traj.error or f"reward {traj.reward} is not a finite number"
 
     async def agent_turn(self, ep: _Episode, new_tokens: list[int], context: int, *,
                          max_action_tokens: int | None = None) -> TurnResult:
@@ -404,6 +422,9 @@ class RolloutManager:
 
     def finished(self, ep: _Episode, traj: Trajectory) -> None:
         """An episode runner's task ended: frees it on its rank and in the scheduler."""
+        if traj.end_reason in VERDICTS and not math.isfinite(traj.reward):
+            traj.end_reason = EndReason.bad_reward
+            traj.error = traj.error or f"reward {traj.reward} is not a finite number"
         traj.finished_at = time.monotonic()
         self._close(ep)
         self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(

@@ -33,6 +33,15 @@ class Adapter(abc.ABC):
     blocking: ClassVar[bool] = False
     max_workers: ClassVar[int | None] = None
     """Cap on the server's worker threads for this adapter (1: not thread-safe)."""
+    client_options: ClassVar[frozenset[str]] = frozenset()
+    """Options a client may set per session (/start `options`: a job's env.options reach an
+    external server that way). Anything else a client sends is refused (400) unless it equals
+    the server's own value. List only options that shape the task; never one that names a
+    path, a command or a resource limit of the server."""
+
+    state_dir: str = ""
+    """A folder private to the server hosting this adapter, for its files (caches); set by the
+    server before `reset`, '' when the adapter runs outside one."""
 
     def __init__(self, options: Mapping[str, str] | None = None):
         self.options = dict(options or {})

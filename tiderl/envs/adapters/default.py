@@ -38,6 +38,9 @@ def parse_guess(action: str, n: int) -> int | None:
 class GuessNumber(Adapter):
     """Guess the number in 1..n within `guesses` tries; reward 1 on a hit, else 0."""
 
+    client_options = frozenset({"n", "guesses", "format_bonus", "bonus", "hint", "targets",
+                                "target"})
+
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
         self.n = int_option(self.options, "n", 8, lo=2, hi=9, where="suite option")

@@ -38,6 +38,8 @@ class GymText(Adapter):
     """One gymnasium toy-text episode; task fields: game, seed, and optional is_slippery,
     max_steps."""
 
+    client_options = frozenset({"game", "is_slippery", "max_steps"})
+
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
         self.game = self.options.get("game", "FrozenLake-v1")

@@ -24,6 +24,8 @@ OFFLINE_GAMES = (
 class TextArenaGame(Adapter):
     """One single-player TextArena episode; task fields: game, seed."""
 
+    client_options = frozenset({"game"})
+
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
         self.game = self.options.get("game", "GuessTheNumber-v0")

@@ -2,16 +2,24 @@
 
 A task names a seed and the world's shape (rooms, objects, quest length); the game is generated
 and compiled once into a cache folder (~2-3 s) and reused by every session of that seed, so a
-GRPO group of 8 compiles once. Reward: the in-game score normalised by the maximum score, so
-playing the walkthrough ends with reward 1.0.
+GRPO group of 8 compiles once. The cache is `textworld/` in the env server's own state folder
+(`EnvServer(state_dir=...)`, `python -m tiderl.envs serve --state-dir`; by default a private
+temporary folder), never a path a client names. It is bounded: after each compile, games not
+used for `cache_max_age_h` hours (suite option, default 168) go, then the least recently used
+ones until the folder holds at most `cache_max_mb` MB (default 1024). Both are server-side
+options; clients may set only rooms, objects, quest_length and admissible.
+Reward: the in-game score normalised by the maximum score, so playing the walkthrough ends
+with reward 1.0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,10 +29,63 @@ _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 # The ASCII-art TextWorld banner printed before the first room: lines of only these characters.
 _BANNER_LINE = re.compile(r"^[\s$|\\/_<>]*$")
+_GAME = re.compile(r"^(tw-s\d+-r\d+-o\d+-q\d+)\.")
+_PRIVATE: list[str] = []  # the process's own cache folder for adapters outside a server
 
 
-def default_cache_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "tiderl-textworld")
+def cache_dir_of(state_dir: str) -> str:
+    """Where games compile for a server whose state folder is `state_dir` ('' outside a server:
+    a private temporary folder of this process, made once)."""
+    if state_dir:
+        return os.path.join(state_dir, "textworld")
+    with _LOCKS_GUARD:
+        if not _PRIVATE:
+            _PRIVATE.append(tempfile.mkdtemp(prefix="tiderl-textworld-"))
+    return _PRIVATE[0]
+
+
+def _lock(key: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(key, threading.Lock())
+
+
+def prune_cache(cache_dir: str, *, max_bytes: int, max_age_s: float, keep: str = "") -> int:
+    """Removes games (all files of one game together) last used more than `max_age_s` ago,
+    then the least recently used until the folder holds at most `max_bytes`; never `keep` (a
+    game's path). Returns the games removed. A game's use time is its .z8's mtime (a cache hit
+    touches it)."""
+    games: dict[str, list[os.DirEntry]] = {}
+    try:
+        with os.scandir(cache_dir) as it:
+            for entry in it:
+                m = _GAME.match(entry.name)
+                if m and entry.is_file(follow_symlinks=False):
+                    games.setdefault(m.group(1), []).append(entry)
+    except FileNotFoundError:
+        return 0
+    kept = os.path.basename(keep).removesuffix(".z8")
+    now = time.time()
+    rows = []
+    for name, entries in games.items():
+        stats = [e.stat(follow_symlinks=False) for e in entries]
+        used = max((st.st_mtime for e, st in zip(entries, stats, strict=True)
+                    if e.name.endswith(".z8")), default=min(st.st_mtime for st in stats))
+        rows.append((used, sum(st.st_size for st in stats), name, entries))
+    rows.sort()  # least recently used first
+    total = sum(r[1] for r in rows)
+    removed = 0
+    for used, size, name, entries in rows:
+        if name == kept:
+            continue
+        if now - used <= max_age_s and total <= max_bytes:
+            continue
+        with _lock(os.path.join(cache_dir, name + ".z8")):
+            for e in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+        total -= size
+        removed += 1
+    return removed
 
 
 def game_shape(task: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, int]:
@@ -38,25 +99,29 @@ def game_shape(task: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str,
     }
 
 
-def compile_game(shape: Mapping[str, int], cache_dir: str) -> str:
-    """Path of the compiled .z8 game for `shape`, generating it on first use."""
+def compile_game(shape: Mapping[str, int], cache_dir: str, *, max_bytes: int = 1 << 30,
+                 max_age_s: float = 7 * 86400.0) -> str:
+    """Path of the compiled .z8 game for `shape` in `cache_dir`, generating it on first use
+    (then the cache is pruned to `max_bytes` and `max_age_s`, see `prune_cache`)."""
     import textworld
 
     name = "tw-s{seed}-r{rooms}-o{objects}-q{quest_length}".format(**shape)
     path = os.path.join(cache_dir, name + ".z8")
-    with _LOCKS_GUARD:
-        lock = _LOCKS.setdefault(path, threading.Lock())
-    with lock:
-        if not os.path.exists(path):
-            os.makedirs(cache_dir, exist_ok=True)
-            opts = textworld.GameOptions()
-            opts.seeds = shape["seed"]
-            opts.nb_rooms = shape["rooms"]
-            opts.nb_objects = shape["objects"]
-            opts.quest_length = shape["quest_length"]
-            opts.path = path
-            opts.file_ext = ".z8"
-            textworld.make(opts)
+    with _lock(path):
+        if os.path.exists(path):
+            with contextlib.suppress(OSError):
+                os.utime(path)  # used now: pruning goes by last use
+            return path
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        opts = textworld.GameOptions()
+        opts.seeds = shape["seed"]
+        opts.nb_rooms = shape["rooms"]
+        opts.nb_objects = shape["objects"]
+        opts.quest_length = shape["quest_length"]
+        opts.path = path
+        opts.file_ext = ".z8"
+        textworld.make(opts)
+    prune_cache(cache_dir, max_bytes=max_bytes, max_age_s=max_age_s, keep=path)
     return path
 
 
@@ -78,15 +143,32 @@ def _clean(text: str) -> str:
     return text.removesuffix(">").strip()
 
 
+def _number(options: Mapping[str, Any], name: str, default: float) -> float:
+    try:
+        value = float(options.get(name, default))
+    except (TypeError, ValueError):
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"suite option {name}={options.get(name)!r} must be a positive number")
+    return value
+
+
 class TextWorldGame(Adapter):
     """One TextWorld episode; task fields: seed, rooms, objects, quest_length."""
 
     blocking = True  # generating and compiling a game takes seconds: run in a worker thread
     max_workers = 1  # TextWorld/jericho sessions are not thread-safe
+    client_options = frozenset({"rooms", "objects", "quest_length", "admissible"})
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
-        self.cache_dir = self.options.get("cache_dir") or default_cache_dir()
+        if "cache_dir" in self.options:
+            raise ValueError("suite option cache_dir is not an option: games compile into the "
+                             "env server's own state folder (python -m tiderl.envs serve "
+                             "--state-dir DIR, or EnvServer(state_dir=DIR))")
+        mb = _number(self.options, "cache_max_mb", 1024.0)
+        hours = _number(self.options, "cache_max_age_h", 168.0)
+        self.cache_max_bytes, self.cache_max_age_s = int(mb * (1 << 20)), hours * 3600.0
         self.admissible = self.options.get("admissible", "false").lower() in ("1", "true")
         self.env: Any = None
         self.state: Any = None
@@ -102,7 +184,9 @@ class TextWorldGame(Adapter):
 
         shape = game_shape(task, {k: v for k, v in self.options.items()
                                   if k in ("rooms", "objects", "quest_length")})
-        self.game_file = compile_game(shape, self.cache_dir)
+        self.game_file = compile_game(shape, cache_dir_of(self.state_dir),
+                                      max_bytes=self.cache_max_bytes,
+                                      max_age_s=self.cache_max_age_s)
         infos = textworld.EnvInfos(max_score=True, score=True, won=True, lost=True,
                                    moves=True, admissible_commands=self.admissible)
         self.env = textworld.start(self.game_file, request_infos=infos)
