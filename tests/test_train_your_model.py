@@ -1,4 +1,4 @@
-"""The README's "Train your own model" path, as a user runs it: a Hugging Face folder written by
+"""The docs' "your model" path (docs/how-to/your-model.md), as a user runs it: a Hugging Face folder written by
 transformers (tiny random weights, a BPE tokenizer trained here, the family's real chat template)
 → `python -m tiderl.launch model.checkpoint=DIR` → `python -m tiderl.export RUN OUT` →
 transformers loads the export and its logits equal tiderl's (fp32, ≤ 1e-4)."""
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.entry, pytest.mark.slow]
 
-# The README's CPU smoke preset as written (four steps, a checkpoint at step 4). A tiny random
+# The docs' CPU smoke preset as written (four steps, a checkpoint at step 4). A tiny random
 # model never wins the default task, so every group's rewards are equal: keep those groups and
 # let an entropy bonus and a large learning rate move the weights, so the export can be told
 # from the source.

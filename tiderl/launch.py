@@ -19,8 +19,8 @@ from tiderl.runtime.world import WorldError
 EPILOG = """\
 overrides: dotted keys after the flags, e.g.
   python -m tiderl.launch --config configs/tiny-8dev.yaml trainer.lr=1e-5 rollout.ranks=2
-sections: model, cluster, rollout, trainer, env, controller, distributed (README
-"Configuration", "Several hosts");
+sections: model, cluster, rollout, trainer, env, controller, distributed (every key:
+docs/reference/config.md; several hosts: docs/how-to/several-hosts.md);
 values are YAML (numbers, true/false, [lists]).
 """
 
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="continue the run in RUN_DIR from its newest checkpoint (its saved "
                         "config.yaml is the base; overrides still apply)")
     hosts = p.add_argument_group(
-        "several hosts", "one process per host, all in one JAX world (README 'Several hosts'); "
+        "several hosts", "one process per host, all in one JAX world (docs/how-to/several-hosts.md); "
         "shorthands for distributed.coordinator / num_processes / process_id")
     hosts.add_argument("--coordinator", metavar="HOST:PORT|auto",
                        help="process 0's address (the same on every process), or auto to take "

@@ -6,7 +6,7 @@ set before JAX starts its backends (read once, at backend start: later changes a
 `resolve_colocate` / `plan_remedy` give a device plan its per-platform defaults and the remedy
 its error names. `cluster.init_jax` applies them.
 
-What is set, and why (also in the README's GPU section):
+What is set, and why (also in docs/how-to/gpu.md):
 - `jax_platforms`: `cpu`; `cuda,cpu` for `gpu`, `tpu,cpu` for `tpu` (the CPU backend stays
   available for host-side work such as reading checkpoints); nothing for `auto`, where JAX takes
   an accelerator whose plugin finds hardware and the CPU otherwise.
