@@ -167,8 +167,8 @@ GATE: dict = {}
 
 
 async def gated(task, base_url, api_key):
-    """Hands its base URL to the test and waits until the test says how it ends."""
-    GATE["url"] = base_url
+    """Hands its task and base URL to the test and waits until the test says how it ends."""
+    GATE["url"], GATE["task"], GATE["api_key"] = base_url, task, api_key
     GATE["ready"].set()
     await GATE["release"].wait()
     return GATE.get("returns")

@@ -30,7 +30,7 @@ CALL = {"name": "calc", "arguments": {"expression": "2 + 3"}}
 SYSTEM = "Use the calc tool, then answer."
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = [json.loads(x) for x in (ROOT / "examples/calculator/tasks.jsonl").read_text().splitlines()]
-# The README's agent command; the test swaps in its tiny checkpoint, a wrapper of the same agent
+# The docs' agent command (docs/how-to/black-box-agents.md); the test swaps in its tiny checkpoint, a wrapper of the same agent
 # (it also sends bad requests), 8 fake devices, and spies on the engine and the trainer.
 AGENT_RUN = ["--config", "configs/calculator.yaml", "env.suite=",
              "env.agent=examples.calculator.agent:solve", "env.group_size=8",
@@ -119,8 +119,12 @@ def agent(task, base_url, api_key):
         user = {"role": "user", "content": task["question"]}
         chat = base_url + "/chat/completions"
         BAD["malformed"] = post(chat, b'{"messages": [')
-        BAD["unknown"] = post(base_url.replace("/v1", "%2Fnope/v1") + "/chat/completions",
+        task_url, secret, _ = base_url.rsplit("/", 2)  # .../tasks/{task_id}/{secret}/v1
+        BAD["unknown"] = post(f"{task_url}%2Fnope/{secret}/v1/chat/completions",
                               json.dumps({"messages": [user]}).encode())
+        # The task's own reward route without its secret, or with another one, is refused.
+        BAD["no_secret"] = post(task_url + "/reward", b'{"reward": 1.0}')
+        BAD["wrong_secret"] = post(f"{task_url}/x{secret}/reward", b'{"reward": 1.0}')
         status, first = post(chat, json.dumps({"messages": [user]}).encode())
         BAD["first"] = status
         BAD["mismatch"] = post(chat, json.dumps({"messages": [
@@ -217,6 +221,7 @@ def test_openai_agent_loop_drives_a_run_token_in_token_out(tmp_path, monkeypatch
     assert BAD["malformed"][0] == 400 and "malformed JSON" in BAD["malformed"][1]["error"][
         "message"]
     assert BAD["unknown"][0] == 404 and BAD["first"] == 200
+    assert BAD["no_secret"][0] == 401 and BAD["wrong_secret"][0] == 403
     assert BAD["mismatch"][0] == 400 and BAD["mismatch"][1]["error"]["code"] == "history_mismatch"
 
     # The trainer's trajectories: exactly the engine's tokens, logprobs = trainer recompute.

@@ -33,7 +33,7 @@ def score_or_raise(task, transcript):
     return score(task, transcript)
 '''
 
-# configs/calculator.yaml, as the README runs it: 12 rows, 5 groups a step, so the checkpoint
+# configs/calculator.yaml, as docs/how-to/tasks-and-rewards.md runs it: 12 rows, 5 groups a step, so the checkpoint
 # of step 2 sits at position 10 (mid-epoch) and step 3 crosses into epoch 1, which grain
 # shuffles anew. Its sync mode trains exactly the groups of its own rollout, so the groups of
 # each step are a function of the stream alone. Here the reward function is wrapped to raise
@@ -53,7 +53,7 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
         tmp_path, monkeypatch, caplog):
     (tmp_path / "byo_reward.py").write_text(REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(ROOT)  # the README's commands run from the repository root
+    monkeypatch.chdir(ROOT)  # the documented commands run from the repository root
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     killed = tmp_path / "killed"
     # Run A: killed (SIGKILL) once the checkpoint of step 2 is complete.
@@ -102,7 +102,7 @@ def test_task_file_reward_and_adapter_train_and_resume_at_the_same_position(
 
 
 def test_single_turn_task_file_with_a_reward_function(tmp_path, monkeypatch):
-    """The README's single-turn command: the same task file, no adapter (env.suite=), so each
+    """The documented single-turn command: the same task file, no adapter (env.suite=), so each
     row's `prompt` is one completion scored by the reward function; no env server runs."""
     from tiderl.launch import main
 

@@ -1,20 +1,29 @@
 """The OpenAI-compatible endpoint a run serves to black-box agents (aiohttp). No JAX.
 
-    POST /tasks/{task_id}/v1/chat/completions   messages, tools, tool_choice, max_tokens,
-                                                stop, logprobs, temperature (see below)
-    GET  /tasks/{task_id}/v1/models             the run's model id
-    POST /tasks/{task_id}/reward                {"reward": float, "info": {...}?}
+    POST /tasks/{task_id}/{secret}/v1/chat/completions   messages, tools, tool_choice,
+                                                         max_tokens, stop, logprobs,
+                                                         temperature (see below)
+    GET  /tasks/{task_id}/{secret}/v1/models             the run's model id
+    POST /tasks/{task_id}/{secret}/reward                {"reward": float, "info": {...}?}
     GET  /health
 
-`task_id` is the task spec's id, percent-encoded (`train%2Fe0%2Fr3%2Fm0`): each task's base URL
-is what its agent function is given. A request waits for its turn (the scheduler admits, pauses
-and resumes the task like any other) and is answered once the action is sampled. One request
-per task at a time; a retried request (same messages) gets the first one's reply, so the openai
-client's own retries are safe. Errors are OpenAI-shaped (`{"error": {"message", "type",
-"param", "code"}}`) with a 4xx: malformed JSON or fields (400), a history that does not extend
-the task's (400, code `history_mismatch`), an unknown task (404), a second request in flight
-(409), a task that has ended (410), a body over the limit (413). Nothing a request sends
-stops the server or another task.
+`task_id` is the task spec's id, percent-encoded (`train%2Fe0%2Fr3%2Fm0`); `secret` is a random
+per-task capability (`secrets.token_urlsafe`) made when the task opens. Each task's base URL,
+`.../tasks/{task_id}/{secret}/v1`, is what its agent function is given, and only the agent:
+the secret is never put into a prompt, an observation or a reply, so the model cannot post its
+own reward. Task ids are predictable and env.endpoint.token is shared by every task, so the
+secret is what stops one agent (or anyone holding the token) from acting on another's task: a
+task route without it is 401, with the wrong one 403 (compared in constant time).
+
+A request waits for its turn (the scheduler admits, pauses and resumes the task like any
+other) and is answered once the action is sampled. One request per task at a time; a retried
+request (same messages) gets the first one's reply, so the openai client's own retries are
+safe. Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) with a 4xx:
+malformed JSON or fields (400), a history that does not extend the task's (400, code
+`history_mismatch`), a missing or wrong bearer token or task secret (401, 403), an unknown
+task (404), a second request in flight or a second reward, or a reward after the task ended
+(409), a request to a task that has ended (410), a body over the limit (413). Nothing a request
+sends stops the server or another task.
 
 Sampling follows the run, not the request: the behaviour policy must be the one the trainer
 corrects for, so `temperature` is the run's (rollout.temperature; evaluation's for eval tasks)
@@ -34,6 +43,7 @@ import hmac
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -55,6 +65,7 @@ class Session:
 
     def __init__(self, task_id: str):
         self.task_id = task_id
+        self.secret = secrets.token_urlsafe(24)  # in the agent's base URL, nowhere else
         self.queue: asyncio.Queue[tuple[dict[str, Any], asyncio.Future]] = asyncio.Queue()
         self.inflight: asyncio.Future | None = None
         self.last: tuple[str, asyncio.Future] | None = None
@@ -89,15 +100,20 @@ class AgentEndpoint:
     def __init__(self, cfg: EndpointConfig):
         self.cfg = cfg
         self.sessions: dict[str, Session] = {}
-        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # Ended tasks: (why, secret), so a late request with the right secret is told so.
+        self._ended: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.root = ""
         self.requests: collections.Counter[int] = collections.Counter()
         self.app = web.Application(client_max_size=cfg.max_request_bytes,
                                    middlewares=[self._errors, self._auth])
         self.app.add_routes([
-            web.post("/tasks/{task_id}/v1/chat/completions", self._chat),
-            web.get("/tasks/{task_id}/v1/models", self._models),
-            web.post("/tasks/{task_id}/reward", self._reward),
+            web.post("/tasks/{task_id}/{secret}/v1/chat/completions", self._chat),
+            web.get("/tasks/{task_id}/{secret}/v1/models", self._models),
+            web.post("/tasks/{task_id}/{secret}/reward", self._reward),
+            # A task's routes without its secret: 401, saying where the secret is.
+            web.post("/tasks/{task_id}/v1/chat/completions", self._no_secret),
+            web.get("/tasks/{task_id}/v1/models", self._no_secret),
+            web.post("/tasks/{task_id}/reward", self._no_secret),
             web.get("/health", self._health),
         ])
 
@@ -110,7 +126,7 @@ class AgentEndpoint:
         sock = site._server.sockets[0]  # type: ignore[union-attr]  # aiohttp exposes no getter
         host, port = sock.getsockname()[:2]
         self.root = f"http://{host}:{port}"
-        log.info("agent endpoint: %s/tasks/{task_id}/v1", self.root)
+        log.info("agent endpoint: %s/tasks/{task_id}/{secret}/v1", self.root)
         try:
             yield self.root
         finally:
@@ -119,7 +135,9 @@ class AgentEndpoint:
             await runner.cleanup()
 
     def base_url(self, task_id: str) -> str:
-        return f"{self.root}/tasks/{quote(task_id, safe='')}/v1"
+        """The open task's base URL, its secret included: for its agent only."""
+        secret = self.sessions[task_id].secret
+        return f"{self.root}/tasks/{quote(task_id, safe='')}/{secret}/v1"
 
     def open(self, task_id: str) -> Session:
         s = self.sessions[task_id] = Session(task_id)
@@ -131,7 +149,7 @@ class AgentEndpoint:
         if s is None:
             return
         s.closed = why
-        self._ended[task_id] = why
+        self._ended[task_id] = (why, s.secret)
         while len(self._ended) > _ENDED:
             self._ended.popitem(last=False)
         err = ChatError(410, f"task {task_id!r} has ended ({why})", code="task_ended")
@@ -152,7 +170,8 @@ class AgentEndpoint:
             msg = {413: f"request body exceeds env.endpoint.max_request_bytes="
                         f"{self.cfg.max_request_bytes}",
                    404: f"no route {request.path}; an agent's base URL is "
-                        f"{self.root}/tasks/{{task_id}}/v1 (POST .../chat/completions)",
+                        f"{self.root}/tasks/{{task_id}}/{{secret}}/v1 (POST "
+                        ".../chat/completions)",
                    405: f"method {request.method} not allowed on {request.path}"}.get(
                 e.status, e.text or e.reason)
             response = web.json_response(ChatError(e.status, msg).body(), status=e.status)
@@ -171,16 +190,28 @@ class AgentEndpoint:
 
     # ---------------------------------------------------------------- routes
 
-    def _session(self, request: web.Request) -> Session:
+    def _session(self, request: web.Request, *, ended_status: int = 410) -> Session:
+        """The request's open task, its secret checked; an ended one is `ended_status`."""
         tid = request.match_info["task_id"]
         s = self.sessions.get(tid)
-        if s is not None:
-            return s
-        if tid in self._ended:
-            raise ChatError(410, f"task {tid!r} has ended ({self._ended[tid]})",
-                            code="task_ended")
-        raise ChatError(404, f"unknown task {tid!r}: no open task has this id; use the base_url "
-                             "your agent function was given", code="task_not_found")
+        why, secret = ("", s.secret) if s is not None else self._ended.get(tid, ("", ""))
+        if not secret:
+            raise ChatError(404, f"unknown task {tid!r}: no open task has this id; use the "
+                                 "base_url your agent function was given",
+                            code="task_not_found")
+        if not hmac.compare_digest(request.match_info["secret"].encode(), secret.encode()):
+            raise ChatError(403, f"wrong task secret for task {tid!r}; use the base_url your "
+                                 "agent function was given for this task",
+                            kind="permission_error", code="wrong_task_secret")
+        if s is None:
+            raise ChatError(ended_status, f"task {tid!r} has ended ({why})", code="task_ended")
+        return s
+
+    async def _no_secret(self, request: web.Request) -> web.Response:
+        raise ChatError(401, f"missing task secret: a task's routes are under the base_url its "
+                             f"agent function was given ({self.root}/tasks/{{task_id}}/{{secret}}"
+                             "/v1; its reward route is .../{secret}/reward)",
+                        kind="authentication_error", code="missing_task_secret")
 
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
@@ -217,7 +248,7 @@ class AgentEndpoint:
             {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "tiderl"}]})
 
     async def _reward(self, request: web.Request) -> web.Response:
-        s = self._session(request)
+        s = self._session(request, ended_status=409)
         body = await self._json(request)
         value = body.get("reward")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
@@ -227,6 +258,9 @@ class AgentEndpoint:
         info = body.get("info", {})
         if not isinstance(info, dict):
             raise ChatError(400, "'info' must be a JSON object", param="info")
+        if s.closed:  # it ended while the body was read: the runner has taken its reward
+            raise ChatError(409, f"task {s.task_id!r} has ended ({s.closed}); a reward must be "
+                                 "posted before the agent function returns", code="task_ended")
         if s.reward is not None:
             raise ChatError(409, f"task {s.task_id!r} already has a reward", code="reward_posted")
         s.reward = (float(value), info)

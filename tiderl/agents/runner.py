@@ -7,12 +7,13 @@ through `manager.agent_turn`, and between turns — while the agent runs its too
 the task waits like one waiting on its environment.
 
 An agent task: `env.agent(task, base_url, api_key)` is called (a sync function on a worker
-thread, an async one on the loop) and drives the conversation through its base URL; each chat
-request is one turn. The task ends when the function returns. Its reward, in order: a
-`POST .../reward`, the function's return value (a number or `{"reward": ...}`), env.reward's
-score of the conversation; with none of them the task fails (reward_error). An agent that
-raises, or sends nothing for env.endpoint.idle_timeout_s, fails its task (env_error,
-timeout); the run goes on.
+thread, an async one on the loop) and drives the conversation through its base URL (which
+carries the task's secret; nothing the model sees does); each chat request is one turn. The
+task ends when the function returns. Its reward, in order: a `POST` to the base URL's
+`.../reward` (`/v1` replaced), the function's return value (a number or `{"reward": ...}`),
+env.reward's score of the conversation; with none of them the task fails (reward_error). An
+agent that raises, or sends nothing for env.endpoint.idle_timeout_s, fails its task
+(env_error, timeout); the run goes on.
 
 A single-turn task: the row's `messages` (or `prompt` as one user message) rendered with the
 chat template, one action, scored by env.reward.
@@ -149,7 +150,7 @@ class EpisodeRunner:
                                             completion=completion_text, turns=conv.turns,
                                             done=done, info=dict(info or {})))
         if s.error:
-            traj.end_reason, traj.error = EndReason.reward_error, s.error
+            traj.end_reason, traj.error = s.reason or EndReason.reward_error, s.error
         else:
             traj.reward, traj.info = s.reward, {**traj.info, **s.info}
 
@@ -242,7 +243,7 @@ class EpisodeRunner:
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
                     value):
-                traj.end_reason = EndReason.reward_error
+                traj.end_reason = EndReason.bad_reward
                 traj.error = (f"task {traj.task_id}: agent {self.cfg.agent} returned "
                               f"{returned!r}; return a finite number, {{'reward': ...}} or None")
                 return

@@ -76,7 +76,8 @@ class ControllerConfig:
     prometheus_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds (loopback unless you mean to expose it)."""
     prometheus_token: str = ""
-    """Bearer token the endpoint requires; off loopback one is generated (and logged) if unset."""
+    """Bearer token the endpoint requires; off loopback one is generated if unset, into
+    <run_dir>/prometheus_token (mode 0600; the token itself is never logged)."""
     time_limit_s: float = 0.0
     """Stop after this much wall time (0: no limit); the run still evaluates and reports."""
     system_prompt: str = ""

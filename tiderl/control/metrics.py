@@ -71,7 +71,7 @@ class MetricsSink:
             from tiderl.control.promserve import MetricsServer
 
             self._server = MetricsServer(self.registry, prometheus_host, prometheus_port,
-                                         prometheus_token)
+                                         prometheus_token, run_dir=run_dir)
             self.port = self._server.port
         self.sinks = None
         if any(x != "jsonl" for x in loggers):
