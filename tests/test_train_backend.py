@@ -20,6 +20,7 @@ from tiderl.train.synthetic import synthetic_trajectories
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                    mlp_dim=64, max_seq_len=128)
 PARAM_ATOL = 1e-6  # fp32 params after one AdamW step (lr 1e-3) from gradients equal to ~1e-7
+MOMENT_RTOL = 1e-5  # AdamW mu / nu after one step: relative L2 error of the whole tree (fp32)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,14 @@ def _mbs(n=24, seed=0):
     trajs = synthetic_trajectories(n, vocab=64, min_len=6, max_len=30, seed=seed,
                                    versions=(0, 1))
     return microbatches(trajs, n_ranks=4, row_len=64, rows_per_rank=1)[0]
+
+
+def _rel_err(a, b) -> float:
+    num = sum(float(np.sum((np.asarray(x) - np.asarray(y)) ** 2))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    den = sum(float(np.sum(np.asarray(y) ** 2)) for y in jax.tree.leaves(b))
+    assert den > 0
+    return (num / den) ** 0.5
 
 
 def _max_diff(a, b):
@@ -71,6 +80,20 @@ def test_decoupled_and_colocated_equal_fused_step(policy, meshes):
     assert d_dec <= PARAM_ATOL and d_col <= PARAM_ATOL
     assert _max_diff(dec.state["opt"], fused.state["opt"]) <= PARAM_ATOL
     assert _max_diff(col.state["opt"], fused.state["opt"]) <= PARAM_ATOL
+    # The AdamW moments, each relative to its own size. After one step the params moved by
+    # ≈ lr·sign(g) whatever g's scale, so a gradient off by a constant factor (a wrong step
+    # normaliser, a micro-batch counted twice) leaves them equal; μ = (1 − b1)·g and
+    # ν = (1 − b2)·g² are not (and ν's entries, ~g²/1000, sit far below PARAM_ATOL).
+    adam = {name: be.state["opt"][1][0] for name, be in
+            (("fused", fused), ("decoupled", dec), ("colocated", col))}
+    errs = {f"{a} vs {b}": (_rel_err(adam[a].mu, adam[b].mu), _rel_err(adam[a].nu, adam[b].nu))
+            for a, b in (("decoupled", "fused"), ("colocated", "fused"),
+                         ("decoupled", "colocated"))}
+    print("AdamW moments, relative L2 error (mu, nu):",
+          {k: f"{m:.1e}, {n:.1e}" for k, (m, n) in errs.items()})
+    assert all(m <= MOMENT_RTOL and n <= MOMENT_RTOL for m, n in errs.values()), errs
+    assert all(int(a.count) == 1 for a in adam.values())
+    assert m_dec["grad_norm"] < CFG.grad_clip  # unclipped: the moments see the normaliser
     # Ref really lives on its own devices; the Actor state (moments too) is sharded as pinned.
     ref_devs = {d for x in jax.tree.leaves(dec.ref_params) for d in x.sharding.device_set}
     act_devs = {d for x in jax.tree.leaves(dec.state) for d in x.sharding.device_set}

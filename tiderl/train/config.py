@@ -12,6 +12,9 @@ from typing import Literal
 
 from tiderl.configlib import ConfigError
 
+KL_LOSSES = ("k3_reverse", "k2", "k3_forward")
+"""trainer.kl_loss's values (grpo.py `kl_loss_term`); k1 is a metric only (its gradient is 0)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -61,7 +64,14 @@ class TrainerConfig:
     """Cap (nats) of the entropy bonus per token, −c·min(H_t, entropy_max): the bonus stops
     pushing where the distribution is already that spread, so it cannot run away (0: no cap).
     E.g. a little above ln(k) keeps k answers in play without pushing mass onto the rest."""
+    kl_loss: Literal["k3_reverse", "k2", "k3_forward"] = "k3_reverse"
+    """The KL term of the loss (×kl_coef), named by what its gradient optimises (grpo.py
+    `kl_loss_term`): 'k3_reverse' (k3's value, k2's gradient: reverse KL(π‖π_ref); verl's
+    'k3+'), 'k2' (reverse KL, k2's value) or 'k3_forward' (naive k3, whose gradient is the
+    forward KL(π_ref‖π): verl's low_var_kl). k1 is rejected: its expected gradient is 0."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of KL(π‖π_ref) logged as the `kl` metric (a value only; the loss is
+    trainer.kl_loss's)."""
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
     token mean, averaged over the step's sequences."""
@@ -150,6 +160,13 @@ class TrainerConfig:
         if self.dual_clip and self.dual_clip <= 1:
             raise ConfigError(f"config key 'trainer.dual_clip'={self.dual_clip} must be > 1 "
                               "(typically 3) or 0 to disable")
+        if self.kl_loss == "k1":
+            raise ConfigError("config key 'trainer.kl_loss'='k1' has zero expected gradient (it "
+                              "regularises nothing); use 'k3_reverse' or 'k2' (k1 stays "
+                              "available as the logged metric, trainer.kl_estimator)")
+        if self.kl_loss not in KL_LOSSES:
+            raise ConfigError(f"config key 'trainer.kl_loss'={self.kl_loss!r} must be one of "
+                              f"{', '.join(KL_LOSSES)}")
         if self.stale_loss not in ("is", "clip"):
             raise ConfigError(f"config key 'trainer.stale_loss'={self.stale_loss!r} must be "
                               "'is' (truncated importance weights) or 'clip' (PPO clip)")

@@ -269,6 +269,130 @@ class Kernels:
     traces: dict[str, int]
 
 
+class _Traces(dict):
+    """Traces per kernel name; `count(name)` runs at trace time only."""
+
+    def count(self, name: str) -> None:
+        self[name] = self.get(name, 0) + 1
+
+
+def _forward_kernels(logprobs: Any, outputs: Any, sh: TrainShardings, traces: _Traces,
+                     ref_mesh: Mesh | None, ref_param_shardings: Any) -> tuple[Any, Any, Any]:
+    """(ref_forward, logprobs, actor_forward): the Ref and policy logprobs, and the Actor
+    forward returning its `DeferredVjp`."""
+
+    def ref_fwd(ref_params, batch):
+        traces.count("ref_forward")
+        return logprobs(ref_params, batch)
+
+    ref_tokens = batch_sharding(ref_mesh) if ref_mesh is not None else sh.tokens
+    ref_forward = jax.jit(
+        ref_fwd, in_shardings=(ref_param_shardings if ref_param_shardings is not None
+                               else sh.params, ref_tokens),
+        out_shardings=ref_tokens)
+
+    def policy_logprobs(params, batch):
+        traces.count("logprobs")
+        return logprobs(params, batch)
+
+    policy_lp = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch),
+                        out_shardings=sh.tokens)
+
+    def actor_fwd(params, batch):
+        traces.count("actor_forward")
+        outs, vjp = jax.vjp(lambda p: outputs(p, batch), params)
+        return outs, DeferredVjp.strip(vjp, params)
+
+    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+
+    def actor_forward(params, batch):
+        outs, vjp = actor_forward_jit(params, batch)
+        return outs, vjp.with_params(params)
+
+    return ref_forward, policy_lp, actor_forward
+
+
+def _backward_kernels(spec: LossSpec, sh: TrainShardings, traces: _Traces) -> tuple[Any, Any]:
+    """(backward, actor_backward): the deferred backward from the GRPO cotangent, accumulated
+    into the donated sum, and the bare `vjp(cotangent)` contract form."""
+
+    def bwd(vjp, outs, ref_logp, batch, version, acc):
+        traces.count("backward")
+        cot, metrics = cotangent(outs, ref_logp, batch, version, spec)
+        (g,) = vjp(cot)
+        # acc None: the step's first micro-batch, no zero-filled sum to add to.
+        return (g if acc is None else jax.tree.map(jnp.add, acc, g)), metrics
+
+    # Only the gradient sum is donated: the vjp residuals have no output of their shape to alias.
+    backward = jax.jit(bwd, donate_argnums=(5,), out_shardings=(sh.params, None))
+
+    def bare_bwd(vjp, cot):
+        traces.count("actor_backward")
+        return vjp(cot)[0]
+
+    return backward, jax.jit(bare_bwd, out_shardings=sh.params)
+
+
+def _update_kernels(tx: optax.GradientTransformation, sh: TrainShardings,
+                    traces: _Traces) -> tuple[Any, Any, Any, Any]:
+    """(scale_grads, apply, skip, zeros_like_grads): the step's normalisation and update."""
+
+    def scale(grads_sum, denom):
+        grads = jax.tree.map(lambda g: g / denom, grads_sum)
+        return grads, optax.tree.norm(grads)
+
+    # In place (the sum is donated and aliased): no second gradient-sized buffer.
+    scale_grads = jax.jit(scale, in_shardings=(sh.params, None), out_shardings=(sh.params, None),
+                          donate_argnums=(0,))
+
+    def apply_fn(state, grads):
+        traces.count("apply")
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+                "step": state["step"] + 1}
+
+    # Every leaf's params and moments are updated in place (the state is donated; the clip
+    # multiplies, so nothing gradient-sized is materialised: XLA's own count is 0 bytes of
+    # temporaries). A non-finite gradient is the host's decision (`skip` instead): a
+    # lax.cond here kept a copy of the largest parameter's state in the temporaries.
+    apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params), out_shardings=sh.state,
+                    donate_argnums=(0,))
+    skip = jax.jit(lambda state: {**state, "step": state["step"] + 1}, in_shardings=(sh.state,),
+                   out_shardings=sh.state, donate_argnums=(0,))
+    zeros_like_grads = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                               in_shardings=(sh.params,), out_shardings=sh.params)
+    return scale_grads, apply, skip, zeros_like_grads
+
+
+def _fused_kernels(outputs: Any, spec: LossSpec, sh: TrainShardings,
+                   traces: _Traces) -> tuple[Any, Any]:
+    """(fused_grads, fused_accumulate): the reference paths, `jax.grad` of the fused loss."""
+
+    def fused(params, batches, refs, version):
+        """The reference path: one `jax.grad` through the whole loss, summed over batches."""
+        traces.count("fused")
+
+        def total(p):
+            out = 0.0
+            for b, r in zip(batches, refs, strict=True):
+                out = out + loss_sum(outputs(p, b), r, b, version, spec)[0]
+            return out
+
+        return jax.grad(total)(params)
+
+    fused_grads = jax.jit(fused, out_shardings=sh.params)
+
+    def fused_acc(params, batch, ref, version, acc):
+        """The plain streaming step per micro-batch: `jax.grad` of the fused loss, accumulated."""
+        traces.count("fused_accumulate")
+        g, metrics = jax.grad(lambda p: loss_sum(outputs(p, batch), ref, batch, version, spec),
+                              has_aux=True)(params)
+        return jax.tree.map(jnp.add, acc, g), metrics
+
+    fused_accumulate = jax.jit(fused_acc, donate_argnums=(4,), out_shardings=(sh.params, None))
+    return fused_grads, fused_accumulate
+
+
 def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec: LossSpec,
                  temperature: float, sh: TrainShardings,
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
@@ -283,102 +407,11 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
     outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
                            head_chunk=head_chunk, remat=remat, token_chunk=token_chunk,
                            remat_group=remat_group)
-    traces: dict[str, int] = {}
-
-    def count(name: str) -> None:
-        traces[name] = traces.get(name, 0) + 1  # runs at trace time only
-
-    def ref_fwd(ref_params, batch):
-        count("ref_forward")
-        return logprobs(ref_params, batch)
-
-    ref_tokens = batch_sharding(ref_mesh) if ref_mesh is not None else sh.tokens
-    ref_forward = jax.jit(
-        ref_fwd, in_shardings=(ref_param_shardings if ref_param_shardings is not None
-                               else sh.params, ref_tokens),
-        out_shardings=ref_tokens)
-
-    def policy_logprobs(params, batch):
-        count("logprobs")
-        return logprobs(params, batch)
-
-    policy_lp = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch),
-                        out_shardings=sh.tokens)
-
-    def actor_fwd(params, batch):
-        count("actor_forward")
-        outs, vjp = jax.vjp(lambda p: outputs(p, batch), params)
-        return outs, DeferredVjp.strip(vjp, params)
-
-    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
-
-    def actor_forward(params, batch):
-        outs, vjp = actor_forward_jit(params, batch)
-        return outs, vjp.with_params(params)
-
-    def bwd(vjp, outs, ref_logp, batch, version, acc):
-        count("backward")
-        cot, metrics = cotangent(outs, ref_logp, batch, version, spec)
-        (g,) = vjp(cot)
-        # acc None: the step's first micro-batch, no zero-filled sum to add to.
-        return (g if acc is None else jax.tree.map(jnp.add, acc, g)), metrics
-
-    # Only the gradient sum is donated: the vjp residuals have no output of their shape to alias.
-    backward = jax.jit(bwd, donate_argnums=(5,), out_shardings=(sh.params, None))
-
-    def bare_bwd(vjp, cot):
-        count("actor_backward")
-        return vjp(cot)[0]
-
-    actor_backward = jax.jit(bare_bwd, out_shardings=sh.params)
-
-    def scale(grads_sum, denom):
-        grads = jax.tree.map(lambda g: g / denom, grads_sum)
-        return grads, optax.tree.norm(grads)
-
-    # In place (the sum is donated and aliased): no second gradient-sized buffer.
-    scale_grads = jax.jit(scale, in_shardings=(sh.params, None), out_shardings=(sh.params, None),
-                          donate_argnums=(0,))
-
-    def apply_fn(state, grads):
-        count("apply")
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
-                "step": state["step"] + 1}
-
-    # Every leaf's params and moments are updated in place (the state is donated; the clip
-    # multiplies, so nothing gradient-sized is materialised: XLA's own count is 0 bytes of
-    # temporaries). A non-finite gradient is the host's decision (`skip` instead): a
-    # lax.cond here kept a copy of the largest parameter's state in the temporaries.
-    apply = jax.jit(apply_fn, in_shardings=(sh.state, sh.params), out_shardings=sh.state,
-                    donate_argnums=(0,))
-    skip = jax.jit(lambda state: {**state, "step": state["step"] + 1}, in_shardings=(sh.state,),
-                   out_shardings=sh.state, donate_argnums=(0,))
-
-    zeros_like_grads = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
-                               in_shardings=(sh.params,), out_shardings=sh.params)
-
-    def fused(params, batches, refs, version):
-        """The reference path: one `jax.grad` through the whole loss, summed over batches."""
-        count("fused")
-
-        def total(p):
-            out = 0.0
-            for b, r in zip(batches, refs, strict=True):
-                out = out + loss_sum(outputs(p, b), r, b, version, spec)[0]
-            return out
-
-        return jax.grad(total)(params)
-
-    fused_grads = jax.jit(fused, out_shardings=sh.params)
-
-    def fused_acc(params, batch, ref, version, acc):
-        """The plain streaming step per micro-batch: `jax.grad` of the fused loss, accumulated."""
-        count("fused_accumulate")
-        g, metrics = jax.grad(lambda p: loss_sum(outputs(p, batch), ref, batch, version, spec),
-                              has_aux=True)(params)
-        return jax.tree.map(jnp.add, acc, g), metrics
-
-    fused_accumulate = jax.jit(fused_acc, donate_argnums=(4,), out_shardings=(sh.params, None))
+    traces = _Traces()
+    ref_forward, policy_lp, actor_forward = _forward_kernels(logprobs, outputs, sh, traces,
+                                                             ref_mesh, ref_param_shardings)
+    backward, actor_backward = _backward_kernels(spec, sh, traces)
+    scale_grads, apply, skip, zeros_like_grads = _update_kernels(tx, sh, traces)
+    fused_grads, fused_accumulate = _fused_kernels(outputs, spec, sh, traces)
     return Kernels(ref_forward, policy_lp, actor_forward, backward, actor_backward, scale_grads,
                    apply, skip, zeros_like_grads, fused_grads, fused_accumulate, traces)
