@@ -79,6 +79,11 @@ def _where(path: Any) -> str:
     return f"config key 'model.checkpoint'={str(path)!r}"
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception's message with its whitespace runs (newlines included) as single spaces."""
+    return " ".join(str(e).split())
+
+
 def _gguf_module(path: Any) -> Any:
     try:
         import gguf
@@ -95,7 +100,7 @@ def _reader(path: Path) -> Any:
     try:
         return gguf.GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
-        raise ConfigError(f"{_where(path)}: not a readable GGUF file ({e})") from e
+        raise ConfigError(f"{_where(path)}: not a readable GGUF file ({_one_line(e)})") from e
 
 
 def _scalar(part: np.ndarray, vtype: Any, gguf: Any) -> Any:
@@ -329,18 +334,21 @@ def _write_tokenizer(reader: Any, path: Path, out: Path) -> bool:
     chat_template.jinja), via transformers; False when the file carries no tokenizer."""
     if _field(reader, "tokenizer.ggml.model") is None:
         return False
+    needs = (f"{_where(path)}: converting the tokenizer of a GGUF file needs transformers "
+             "and torch (pip install transformers torch)")
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise ConfigError(f"{_where(path)}: converting a GGUF file's tokenizer needs "
-                          "transformers (pip install transformers)") from e
+        raise ConfigError(needs) from e
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
                                             local_files_only=True)
+    except ImportError as e:  # transformers' GGUF reader also needs torch
+        raise ConfigError(f"{needs}: {_one_line(e)}") from e
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds)
         raise ConfigError(f"{_where(path)}: transformers cannot convert its tokenizer "
-                          f"({type(e).__name__}: {e}); set model.tokenizer to a tokenizer.json "
-                          "instead") from e
+                          f"({type(e).__name__}: {_one_line(e)}); use the model's HF folder "
+                          "for model.checkpoint instead") from e
     tok.save_pretrained(str(out))
     return True
 
@@ -422,6 +430,8 @@ def gguf_folder(path: str | os.PathLike[str], *, cache_dir: str | os.PathLike[st
         log.info("converting %s (%.0f MB) to a float32 HF folder at %s", path,
                  path.stat().st_size / 1e6, final)
         convert_gguf(path, tmp)
+        for f in tmp.iterdir():  # safetensors writes 0600: readable as the umask allows
+            f.chmod(0o666 & ~umask)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first (or a stale, incomplete folder)
