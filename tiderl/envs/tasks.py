@@ -83,6 +83,15 @@ class TaskSource:
         return self.group(g, epoch=epoch)
 
 
+def system_prompt(cfg: EnvConfig) -> str | None:
+    """The system turn the run's env suite asks for under env.options (Adapter.system_prompt),
+    None for task kinds without a suite (single-turn task files, agents) or a suite without
+    one."""
+    if cfg.kind != "env":
+        return None
+    return adapter_class(cfg.suite_name).system_prompt(cfg.option_dict())
+
+
 def eval_tasks(cfg: EnvConfig) -> list[dict[str, Any]]:
     """Every eval task spec of the suite, in order (the eval split is small and run whole)."""
     src = TaskSource.from_config(cfg, "eval")

@@ -50,6 +50,10 @@ class Transcript:
     def start(cls, template: TurnTemplate, observation: str, *, system: str | None = None
               ) -> Transcript:
         t = cls(template)
+        if system is not None and not template.system_open:
+            # A template with no system role (the byte one, a checkpoint template that has none):
+            # the system text leads the first observation, as such chat templates fold it.
+            observation, system = f"{system}\n\n{observation}", None
         t._extend(template.prompt(observation, system=system), 0)
         return t
 

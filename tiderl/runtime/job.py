@@ -23,6 +23,7 @@ from tiderl.control.progress import starvation_advice
 from tiderl.control.samples import SampleWriter
 from tiderl.envs.config import with_default_token
 from tiderl.envs.health import env_url_error
+from tiderl.envs.tasks import system_prompt as suite_system_prompt
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.runtime.build import build_policy, start_devices
@@ -394,7 +395,7 @@ class _Job:
     async def _control(self, sched: Any, hooks: Hooks, planner: Any, buffer: ReadinessBuffer,
                        metrics: MetricsSink, streams: tuple[Any, Any]) -> dict:
         cfg, c, rcfg = self.cfg, self.cfg.controller, self.rcfg
-        system = c.system_prompt or None
+        system = c.system_prompt or suite_system_prompt(cfg.env)
         env_cfg, _ = with_default_token(cfg.env)  # an exposed in-process server gets a token
         async with episode_backend(env_cfg, self.template,
                                    max_action_tokens=rcfg.max_action_tokens,

@@ -51,6 +51,13 @@ class Adapter(abc.ABC):
         """Suite-specific fields of a task spec for env seed `seed` (used by task sources)."""
         return {"seed": seed}
 
+    @classmethod
+    def system_prompt(cls, options: Mapping[str, str]) -> str | None:
+        """The system turn of this suite's tasks under suite `options` (the rules and answer
+        format a chat model needs), or None. A run uses it when controller.system_prompt is
+        '' (a template with no system role gets it ahead of the first observation)."""
+        return None
+
     @abc.abstractmethod
     def reset(self, task: Mapping[str, Any]) -> str:
         """Starts the episode described by `task`; returns the first observation."""
