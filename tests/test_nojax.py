@@ -26,6 +26,7 @@ NO_JAX = [
     "tiderl.serving.ctb_config", "tiderl.serving.valve", "tiderl.serving.preempt",
     "tiderl.serving.vanilla",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
+    "tiderl.train.advantages",
     "tiderl.runtime.world", "tiderl.runtime.channel", "tiderl.runtime.cells", "tiderl.runtime.wire", "tiderl.runtime.remote_rank",
     "tiderl.runtime.localworld", "tiderl.runtime.supervise", "tiderl.control.promserve",
 ]

@@ -6,9 +6,12 @@ A group becomes ready when all its G tasks have ended. Tasks that failed in the 
 the others when at least `min_ok_per_group` ended with one, else the whole group is dropped
 (both counted). A task whose reward is not a finite number is `bad_reward` here whatever its
 runner said, so no NaN or inf ever reaches the advantages.
-Advantages are group-normalised over the tasks kept. Staleness is judged when the trainer takes
-a group: one whose oldest token is more than `max_staleness` versions behind the version being
-trained is dropped and counted, never silently trained on.
+Advantages are group-normalised over the tasks kept; with `step_credit` (GiGPO) each turn of a
+recurring anchor adds its step advantage on its action tokens (train/advantages.py), and a group
+whose rewards are all equal is dropped only when no turn has a step advantage either.
+Staleness is judged when the trainer takes a group: one whose oldest token is more than
+`max_staleness` versions behind the version being trained is dropped and counted, never
+silently trained on.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import numpy as np
 from tiderl.envs.protocol import EndReason
 from tiderl.serving.rollout import VERDICTS, Trajectory
 from tiderl.train import ra2p
-from tiderl.train.advantages import group_advantages
+from tiderl.train.advantages import (StepCredit, group_advantages, step_advantages,
+                                     token_advantages)
 from tiderl.train.dispatch import TrainSequence
 
 
@@ -94,8 +98,12 @@ class ReadinessBuffer:
     """Holds ready groups in arrival order and accounts for everything it drops."""
 
     def __init__(self, *, groups_per_microbatch: int, max_staleness: int, min_ok_per_group: int,
-                 zero_var: str = "drop", adv_eps: float = 1e-6, ema: float = 0.3):
+                 zero_var: str = "drop", adv_eps: float = 1e-6, ema: float = 0.3,
+                 step_credit: StepCredit | None = None):
         self.groups_per_microbatch = groups_per_microbatch
+        self.step_credit = step_credit
+        self.credit_stats: Counter[str] = Counter()
+        """With step_credit: turns, anchored turns and step groups of the trainable groups."""
         self.max_staleness = max_staleness
         self.min_ok = min_ok_per_group
         self.zero_var = zero_var
@@ -132,16 +140,11 @@ class ReadinessBuffer:
             self.dropped["failed_tasks"] += 1
             self.drops_in_a_row += 1
             return None
-        adv = group_advantages([[t.reward for t in ok]], eps=self.adv_eps, zero_var=self.zero_var)
-        if not adv.keep[0]:
+        seqs = self._sequences(ok)
+        if seqs is None:
             self.dropped["zero_variance"] += 1
             self.drops_in_a_row += 1
             return None
-        seqs = [TrainSequence(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
-                         action_mask=np.asarray(t.loss_mask, bool),
-                         behaviour_logprobs=np.asarray(t.logprobs, np.float32),
-                         advantage=float(a), versions=np.asarray(t.versions, np.int32))
-                for t, a in zip(ok, adv.advantages[0], strict=True)]
         g = ReadyGroup(group_id=gid, seqs=seqs, trajs=list(ok), ready_at=now,
                        min_version=min((t.min_version for t in ok if t.min_version >= 0),
                                        default=-1),
@@ -158,6 +161,30 @@ class ReadinessBuffer:
                 self.tprm_ema = _ema(self.tprm_ema, now - self._last_mb_t, self.ema)
                 self._last_mb_t = now
         return g
+
+    def _sequences(self, ok: Sequence[Trajectory]) -> list[TrainSequence] | None:
+        """The kept tasks as sequences with their advantages; None when the group carries no
+        signal and the zero-variance policy drops it."""
+        adv = group_advantages([[t.reward for t in ok]], eps=self.adv_eps, zero_var=self.zero_var)
+        ep = adv.advantages[0]
+        advs: list[float | np.ndarray] = [float(a) for a in ep]
+        c = self.step_credit
+        if c is not None:
+            st = step_advantages([t.tokens for t in ok], [t.loss_mask for t in ok],
+                                 [t.reward for t in ok], c)
+            if not adv.keep[0] and not any(np.any(a != 0) for a in st.per_turn):
+                return None
+            self.credit_stats.update(turns=st.turns, anchored_turns=st.anchored,
+                                     step_groups=st.groups)
+            advs = [token_advantages(t.loss_mask, float(a), s, c.omega)
+                    for t, a, s in zip(ok, ep, st.per_turn, strict=True)]
+        elif not adv.keep[0]:
+            return None
+        return [TrainSequence(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
+                              action_mask=np.asarray(t.loss_mask, bool),
+                              behaviour_logprobs=np.asarray(t.logprobs, np.float32),
+                              advantage=a, versions=np.asarray(t.versions, np.int32))
+                for t, a in zip(ok, advs, strict=True)]
 
     # -- consumer side -------------------------------------------------------------------------
     def begin_step(self, now: float) -> Readiness:
@@ -244,7 +271,8 @@ class ReadinessBuffer:
     def summary(self) -> dict[str, Any]:
         return {"ready_groups": len(self.ready), "dropped": dict(self.dropped),
                 "failed_tasks": dict(self.failed_tasks),
-                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())}}
+                "staleness_hist": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+                **({"step_credit": dict(self.credit_stats)} if self.step_credit else {})}
 
 
 def _ema(old: float, value: float, alpha: float) -> float:

@@ -35,6 +35,7 @@ from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.serving.weights import serving_weights
+from tiderl.train.advantages import step_credit
 from tiderl.train.checkpoint import Checkpointer
 from tiderl.train.ref_actor import dp_size
 
@@ -373,7 +374,8 @@ class _Job:
                                  max_staleness=c.max_staleness,
                                  min_ok_per_group=c.min_ok_per_group,
                                  zero_var=cfg.trainer.zero_var_groups,
-                                 adv_eps=cfg.trainer.adv_eps)
+                                 adv_eps=cfg.trainer.adv_eps,
+                                 step_credit=step_credit(cfg.trainer))
         metrics = MetricsSink(self.run_dir, console=c.console, prometheus_port=c.prometheus_port,
                               prometheus_host=c.prometheus_host,
                               prometheus_token=c.prometheus_token, total_steps=c.steps,

@@ -76,6 +76,22 @@ class TrainerConfig:
     """token_mean: sum over action tokens / action tokens in the step; seq_mean: per-sequence
     token mean, averaged over the step's sequences."""
 
+    # --- step-level credit (train/advantages.py) ---
+    advantage: Literal["grpo", "gigpo"] = "grpo"
+    """grpo: one group-normalised advantage per episode. gigpo (arXiv 2505.10978): plus, on
+    each turn whose anchor recurs among its group's siblings, `gigpo_omega ×` a step advantage
+    from the discounted returns of that anchor's turns (multi-turn tasks)."""
+    gigpo_omega: float = 1.0
+    """Weight of the step advantage: A = A_episode + omega · A_step (the paper's 1)."""
+    gigpo_gamma: float = 0.95
+    """Discount of the return from a turn: gamma^(turns after it) × the episode's reward."""
+    gigpo_anchor: Literal["history", "observation"] = "history"
+    """What makes two turns one step group: 'history', the same whole context before the action
+    (the same policy input); 'observation', the same tokens since the previous action (the
+    current observation, as the paper's code keys anchor states; pooled over turns)."""
+    gigpo_step_norm: Literal["std", "mean"] = "std"
+    """Step advantage (R − mean) / (std + adv_eps), like the episode one, or R − mean."""
+
     # --- memory (train/head.py, models/decoder.py) ---
     head_chunk: int = 0
     """Tokens per chunk of the vocab head in training (logprobs/entropies from hidden states,
@@ -170,6 +186,7 @@ class TrainerConfig:
         if self.stale_loss not in ("is", "clip"):
             raise ConfigError(f"config key 'trainer.stale_loss'={self.stale_loss!r} must be "
                               "'is' (truncated importance weights) or 'clip' (PPO clip)")
+        self._check_credit()
         if self.is_cap <= 0:
             raise ConfigError(f"config key 'trainer.is_cap'={self.is_cap} must be positive "
                               "(1.0 is V-trace truncation)")
@@ -187,3 +204,17 @@ class TrainerConfig:
         if not 0 < self.adam_b1 < 1 or not 0 < self.adam_b2 < 1:
             raise ConfigError("config keys 'trainer.adam_b1'/'trainer.adam_b2' must lie in "
                               "(0, 1)")
+
+    def _check_credit(self) -> None:
+        for name, allowed in (("advantage", ("grpo", "gigpo")),
+                              ("gigpo_anchor", ("history", "observation")),
+                              ("gigpo_step_norm", ("std", "mean"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"config key 'trainer.{name}'={getattr(self, name)!r} must be "
+                                  f"one of {', '.join(allowed)}")
+        if not 0 < self.gigpo_gamma <= 1:
+            raise ConfigError(f"config key 'trainer.gigpo_gamma'={self.gigpo_gamma} must lie in "
+                              "(0, 1] (the paper uses 0.95)")
+        if not self.gigpo_omega >= 0:
+            raise ConfigError(f"config key 'trainer.gigpo_omega'={self.gigpo_omega} must be >= 0 "
+                              "(the paper uses 1)")

@@ -12,7 +12,7 @@ The training batch format (`MicroBatch.arrays()`, consumed by train/ref_actor.py
 | segment_ids_bt | int32 | 1, 2, ... per sequence in a row; 0 = padding |
 | loss_mask_bt | float32 | 1 where the token at t is an action token whose logprob is trained |
 | behaviour_logprobs_bt | float32 | the engine's logprob of the token at t (0 off-mask) |
-| advantages_bt | float32 | the sequence's advantage broadcast to its tokens |
+| advantages_bt | float32 | the sequence's advantage on each of its tokens (or one per token) |
 | versions_bt | int32 | weight version that generated the token at t (staleness weights) |
 
 Shift convention: every per-token quantity is aligned with the *predicted* token. The logprob at
@@ -45,7 +45,9 @@ class TrainSequence:
     """bool [L], True where the policy generated the token (trained)."""
     behaviour_logprobs: np.ndarray
     """float32 [L], the engine's logprob of each generated token (ignored off the mask)."""
-    advantage: float
+    advantage: float | np.ndarray
+    """One advantage for the whole sequence, or float32 [L] per token (step-level credit:
+    each turn's action tokens carry their turn's advantage)."""
     versions: np.ndarray | int = 0
     """Weight version per token ([L]) or one version for the whole sequence."""
 
@@ -55,6 +57,9 @@ class TrainSequence:
             raise ValueError(f"trajectory {self.uid}: tokens ({n}), action_mask "
                              f"({len(self.action_mask)}) and behaviour_logprobs "
                              f"({len(self.behaviour_logprobs)}) must have equal lengths")
+        if np.ndim(self.advantage) and np.shape(self.advantage) != (n,):
+            raise ValueError(f"trajectory {self.uid}: per-token advantages have shape "
+                             f"{np.shape(self.advantage)}, not ({n},) like its tokens")
         if n and bool(self.action_mask[0]):
             raise ValueError(f"trajectory {self.uid}: its first token is marked as an action, "
                              "but it has no prediction inside the sequence; start with a prompt")
