@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tiderl.envs.chat_templates import ChatTemplate, compile_chat_template
+from tiderl.envs.config import ImageConfig
+from tiderl.envs.images import Image, ImageError, b64decode, from_bytes
 from tiderl.envs.templates import Part, TurnTemplate
 
 _SENTINEL = "@@tiderl-action@@"
@@ -44,23 +46,68 @@ class ChatError(Exception):
                           "code": self.code}}
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, limits: ImageConfig
+             ) -> tuple[str, list[tuple[int, Image]]]:
+    """A message's text and its images, each with the character offset in the text where it
+    sits (text parts joined; `image_url` parts with data URLs decoded and checked)."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text ones
-        out = []
+        return content, []
+    if isinstance(content, list):  # content parts: text and images
+        out: list[str] = []
+        images: list[tuple[int, Image]] = []
+        at = 0
         for i, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise ChatError(400, f"{where}.content[{i}] is not a text part "
-                                     "({'type': 'text', 'text': ...}); only text is supported",
-                                param=f"{where}.content")
-            out.append(part["text"])
-        return "".join(out)
-    raise ChatError(400, f"{where}.content must be a string, a list of text parts or null, got "
-                         f"{type(content).__name__}", param=f"{where}.content")
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+                at += len(part["text"])
+            elif kind == "image_url":
+                images.append((at, _image(part.get("image_url"), f"{where}.content[{i}]",
+                                          limits)))
+            else:
+                raise ChatError(400, f"{where}.content[{i}] is neither a text part ({{'type': "
+                                     "'text', 'text': ...}) nor an image part ({'type': "
+                                     "'image_url', 'image_url': {'url': 'data:image/png;base64,"
+                                     "...'}})", param=f"{where}.content")
+        return "".join(out), images
+    raise ChatError(400, f"{where}.content must be a string, a list of text and image parts or "
+                         f"null, got {type(content).__name__}", param=f"{where}.content")
+
+
+def _image(raw: Any, where: str, limits: ImageConfig) -> Image:
+    """An `image_url` part's image: a data URL of a PNG or JPEG within env.images."""
+    url = raw.get("url") if isinstance(raw, Mapping) else raw
+    if not isinstance(url, str):
+        raise ChatError(400, f"{where}.image_url must be {{'url': 'data:image/png;base64,...'}}",
+                        param=where, code="invalid_image")
+    head, sep, data = url.partition(",")
+    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        raise ChatError(400, f"{where}.image_url.url is not a base64 data URL; send the image "
+                             "inline as data:image/png;base64,... (the endpoint fetches no URL)",
+                        param=where, code="invalid_image")
+    try:
+        return from_bytes(b64decode(data, limits, where=where), limits, where=where,
+                          mime=head[len("data:"):-len(";base64")] or None)
+    except ImageError as e:
+        raise ChatError(400, e.message, param=where,
+                        code="image_too_large" if e.status == 413 else "invalid_image") from None
+
+
+def _check_totals(messages: Sequence[Mapping[str, Any]], limits: ImageConfig) -> None:
+    images = [im for m in messages for im in m.get("images", ())]
+    if len(images) > limits.max_images:
+        raise ChatError(400, f"the request carries {len(images)} images, over the limit of "
+                             f"{limits.max_images} (env.images.max_images); send fewer (keep the "
+                             "most recent ones) or raise env.images.max_images",
+                        param="messages", code="image_too_large")
+    total = sum(len(im.data) for im in images)
+    if total > limits.max_total_bytes:
+        raise ChatError(400, f"the request carries {total} bytes of images, over the limit of "
+                             f"{limits.max_total_bytes} (env.images.max_total_bytes); send fewer "
+                             "or smaller images or raise env.images.max_total_bytes",
+                        param="messages", code="image_too_large")
 
 
 def _arguments(raw: Any, where: str) -> str:
@@ -71,8 +118,11 @@ def _arguments(raw: Any, where: str) -> str:
     raise ChatError(400, f"{where}.function.arguments must be a JSON string", param=where)
 
 
-def normalize_messages(raw: Any) -> list[dict[str, Any]]:
-    """The request's messages in one canonical form (role, content text, tool calls/ids)."""
+def normalize_messages(raw: Any, images: ImageConfig | None = None) -> list[dict[str, Any]]:
+    """The request's messages in one canonical form (role, content text, tool calls/ids; a
+    message with image parts also has `images`, the checked Image objects, and `image_at`,
+    each one's character offset in the content), images checked against `images`."""
+    limits = images or ImageConfig()
     if not isinstance(raw, list) or not raw:
         raise ChatError(400, "'messages' must be a non-empty list of message objects",
                         param="messages")
@@ -86,8 +136,12 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise ChatError(400, f"{where}.role={role!r} is not one of {', '.join(ROLES)}",
                             param=f"{where}.role")
+        text, pictures = _content(m.get("content"), where, limits)
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _text(m.get("content"), where)}
+                               "content": text}
+        if pictures:
+            msg["image_at"] = tuple(at for at, _ in pictures)
+            msg["images"] = tuple(im for _, im in pictures)
         if role == "assistant" and m.get("tool_calls"):
             calls = m["tool_calls"]
             if not isinstance(calls, list):
@@ -107,6 +161,7 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         out.append(msg)
+    _check_totals(out, limits)
     return out
 
 
@@ -142,6 +197,11 @@ def difference(got: Mapping[str, Any], want: Mapping[str, Any]) -> str | None:
             (c["function"]["name"], _args_obj(c["function"]["arguments"])) for c in wa]:
         return f"tool_calls {[c['function']['name'] for c in ga]} where the history has " \
                f"{[c['function']['name'] for c in wa]} (or other arguments)"
+    if [im.digest for im in got.get("images", ())] != [im.digest for im in
+                                                       want.get("images", ())] or got.get(
+            "image_at", ()) != want.get("image_at", ()):
+        return f"{len(got.get('images', ()))} images where the history has " \
+               f"{len(want.get('images', ()))} (or other images, or elsewhere in the text)"
     if got.get("tool_call_id", "") != want.get("tool_call_id", ""):
         return f"tool_call_id {got.get('tool_call_id')!r} where the history has " \
                f"{want.get('tool_call_id')!r}"
@@ -162,6 +222,10 @@ def _for_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 class ChatRenderer:
     """Renders requests to token ids with `template` (see the module docstring)."""
+
+    vision = False
+    """Whether the policy reads images (a vision tower); every template here is text-only, so a
+    request with image parts is refused (400, code no_vision)."""
 
     def __init__(self, template: TurnTemplate):
         self.template = template

@@ -22,6 +22,7 @@ from tiderl.agents.chat import (
     normalize_tools,
 )
 from tiderl.agents.toolcalls import Parser, parse
+from tiderl.envs.config import ImageConfig
 
 
 @dataclasses.dataclass
@@ -52,8 +53,10 @@ class Reply:
 class Conversation:
     """The token history of one agent task (token in, token out)."""
 
-    def __init__(self, renderer: ChatRenderer, parser: Parser):
+    def __init__(self, renderer: ChatRenderer, parser: Parser,
+                 images: ImageConfig | None = None):
         self.renderer, self.parser = renderer, parser
+        self.images = images or ImageConfig()
         self.tok = renderer.tok
         self.stop_ids = renderer.template.stop_ids
         self.messages: list[dict[str, Any]] = []
@@ -70,8 +73,14 @@ class Conversation:
     # -- a request -----------------------------------------------------------------------------
     def request(self, body: Mapping[str, Any], *, max_action_tokens: int) -> Pending:
         """Checks `body` (a chat.completions request) against the history; raises ChatError."""
-        msgs = normalize_messages(body.get("messages"))
+        msgs = normalize_messages(body.get("messages"), self.images)
         tools = normalize_tools(body.get("tools"))
+        seen = next((i for i, m in enumerate(msgs) if m.get("images")), None)
+        if seen is not None and not self.renderer.vision:
+            raise ChatError(400, f"messages[{seen}] carries {len(msgs[seen]['images'])} images "
+                                 "but the policy has no vision tower (a text-only model): it "
+                                 "cannot read them; send text only, or train a vision-language "
+                                 "model", param=f"messages[{seen}].content", code="no_vision")
         if msgs[-1]["role"] == "assistant":
             raise ChatError(400, f"messages[{len(msgs) - 1}] is an assistant message: the "
                                  "endpoint generates the next assistant turn; end the request "

@@ -22,7 +22,12 @@ safe. Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}
 malformed JSON or fields (400), a history that does not extend the task's (400, code
 `history_mismatch`), a missing or wrong bearer token or task secret (401, 403), an unknown
 task (404), a second request in flight or a second reward, or a reward after the task ended
-(409), a request to a task that has ended (410), a body over the limit (413). Nothing a request
+(409), a request to a task that has ended (410), a body over the limit (413).
+Images: `image_url` content parts with base64 data URLs (`data:image/png;base64,...`, PNG or
+JPEG; the endpoint fetches no URL) are decoded, checked against env.images (count, bytes, total
+bytes, pixels: 400 `image_too_large`; not an image, not a data URL: 400 `invalid_image`) and
+kept with their message; the policies here are text-only, so a request carrying images is then
+refused (400 `no_vision`). Nothing a request
 sends stops the server or another task.
 
 Sampling follows the run, not the request: the behaviour policy must be the one the trainer

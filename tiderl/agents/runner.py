@@ -76,7 +76,7 @@ class EpisodeRunner:
         traj = Trajectory(task_id=ep.task.task_id, group_id=ep.task.group_id,
                           is_eval=ep.task.is_eval, tokens=[], loss_mask=[], logprobs=[],
                           versions=[], reward=0.0, end_reason=EndReason.cancelled, turns=0)
-        conv = Conversation(self.renderer, self.parser)
+        conv = Conversation(self.renderer, self.parser, self.cfg.images)
         try:
             if self.agent is not None:
                 await self._agent(manager, ep, conv, traj)

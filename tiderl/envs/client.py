@@ -9,6 +9,11 @@ carries a fresh `request_id`, reused across its retries, so the server applies i
         s = await env.start(task)            # StartResult
         r = await env.step(s.session, "4")   # StepResult
         e = await env.end(s.session)         # EndResult
+
+Observations' images come back decoded and checked against env.images (`StartResult.images`,
+`StepResult.images`); a reply whose images break a limit or do not decode fails its task
+(env_error naming the limit; a /start's session is ended). `start` and `step` send images of
+their own (`images=`) to adapters that take them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from tiderl.envs.config import EnvConfig
+from tiderl.envs.images import Image, ImageError, from_wire, to_wire
 from tiderl.envs.protocol import EndReason, EndResult, OpResult, StartResult, StepResult
 
 RETRY_STATUS = frozenset({429, 502, 503, 504})
@@ -100,11 +106,13 @@ class EnvClient:
 
     # ------------------------------------------------------------------ the protocol
 
-    async def start(self, task: dict[str, Any]) -> StartResult:
-        """Opens a session for `task`."""
+    async def start(self, task: dict[str, Any], images: tuple[Image, ...] = ()) -> StartResult:
+        """Opens a session for `task` (with `images` for an adapter that takes them)."""
         body: dict[str, Any] = {"task": task, "request_id": _rid()}
         if self.cfg.options:  # the job's suite options reach an external server too
             body["options"] = self.cfg.option_dict()
+        if images:
+            body["images"] = to_wire(images)
         t0 = asyncio.get_running_loop().time()
         out = await self._call("POST", "/start", body)
         self.latency_s["start"].append(asyncio.get_running_loop().time() - t0)
@@ -112,24 +120,38 @@ class EnvClient:
             return StartResult(reason=out.reason, error=out.error)
         if not isinstance(out.get("session"), str):
             return StartResult(reason=EndReason.env_error, error=f"bad /start reply {out!r}")
-        return StartResult(session=out["session"], observation=str(out.get("observation", "")))
+        try:
+            got = from_wire(out.get("images"), self.cfg.images, where="/start reply images")
+        except ImageError as e:
+            await self.end(out["session"])  # the session exists on the server: end it
+            return StartResult(reason=EndReason.env_error, error=e.message)
+        return StartResult(session=out["session"], observation=str(out.get("observation", "")),
+                           images=got)
 
-    async def step(self, session: str, action: str) -> StepResult:
-        """Sends one action; a failure comes back with `done=True` and `reason` set."""
+    async def step(self, session: str, action: str, images: tuple[Image, ...] = ()
+                   ) -> StepResult:
+        """Sends one action (with `images` for an adapter that takes them); a failure comes
+        back with `done=True` and `reason` set."""
         t0 = asyncio.get_running_loop().time()
-        out = await self._call("POST", "/observation",
-                               {"session": session, "action": action, "request_id": _rid()})
+        body: dict[str, Any] = {"session": session, "action": action, "request_id": _rid()}
+        if images:
+            body["images"] = to_wire(images)
+        out = await self._call("POST", "/observation", body)
         self.latency_s["step"].append(asyncio.get_running_loop().time() - t0)
         if isinstance(out, _Failure):
-            if out.status == 413:  # over env.max_action_chars (or the body limit)
+            if out.status == 413 and not images:  # over env.max_action_chars (or the body)
                 return StepResult(done=True, reason=EndReason.action_too_long, error=out.error)
             return StepResult(done=True, reason=out.reason, error=out.error)
+        try:
+            got = from_wire(out.get("images"), self.cfg.images, where="/observation reply images")
+        except ImageError as e:
+            return StepResult(done=True, reason=EndReason.env_error, error=e.message)
         reward, bad = parse_reward(out, required=False)
         if bad:
             return StepResult(done=True, reason=EndReason.bad_reward,
                               error=f"/observation: {bad}")
         turn = out.get("turn", 0)
-        return StepResult(observation=str(out.get("observation", "")),
+        return StepResult(observation=str(out.get("observation", "")), images=got,
                           done=bool(out.get("done", False)), reward=reward,
                           turn=turn if isinstance(turn, int) else 0,
                           truncated=str(out.get("truncated", "")))

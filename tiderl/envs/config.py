@@ -9,7 +9,7 @@ from typing import Literal
 
 from tiderl.configlib import LOOPBACK, ConfigError
 
-SUITES = ("default", "gym", "textworld", "textarena")
+SUITES = ("default", "gym", "textworld", "textarena", "gui")
 DEFAULT_MAX_ACTION_CHARS = 4096
 """env.max_action_chars of a server with none derived (the least a run derives)."""
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -62,6 +62,30 @@ class LatencyConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ImageConfig:
+    """Limits on the images an observation, a /start task, an action or an agent's chat request
+    carries (PNG or JPEG); one over a limit is refused naming the key (4xx from a server or the
+    endpoint, env_error from the client)."""
+
+    max_images: int = 16
+    """Images in one observation, task, action or chat request."""
+    max_bytes: int = 4 << 20
+    """Encoded size of one image (before base64)."""
+    max_total_bytes: int = 16 << 20
+    """Encoded size of all images of one observation or request together. A request's JSON body
+    is also bounded by env.max_request_bytes (env server) or env.endpoint.max_request_bytes."""
+    max_side: int = 4096
+    """Largest width and height of one image, in pixels."""
+    max_pixels: int = 3840 * 2160
+    """Largest width × height of one image (4K by default; the paper's screenshots are
+    1280×720)."""
+
+    def __post_init__(self):
+        for name in ("max_images", "max_bytes", "max_total_bytes", "max_side", "max_pixels"):
+            _positive("env.images", name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EndpointConfig:
     """The OpenAI-compatible endpoint a run serves to black-box agents (env.agent)."""
 
@@ -104,8 +128,8 @@ class EnvConfig:
 
     suite: str = ""
     """Adapter served by the env server: a built-in suite ('default', 'gym', 'textworld',
-    'textarena') or your own `package.module:Class` (an Adapter subclass). '' means the default
-    task, or — when env.tasks and env.reward are set and env.agent is not — single-turn tasks
+    'textarena', 'gui') or your own `package.module:Class` (an Adapter subclass). '' means the
+    default task, or — when env.tasks and env.reward are set and env.agent is not — single-turn tasks
     with no env server."""
     tasks: str = ""
     """Task file of the train split: .jsonl, .parquet, or a saved Hugging Face `datasets`
@@ -174,6 +198,8 @@ class EnvConfig:
     reports done after this many /observation calls."""
     latency: LatencyConfig = dataclasses.field(default_factory=LatencyConfig)
     """Injected per-step latency, to mimic slow environments (WebShop, ALFWorld)."""
+    images: ImageConfig = dataclasses.field(default_factory=ImageConfig)
+    """Limits on images in observations, tasks, actions and agents' chat requests."""
 
     # -- tasks --
     group_size: int = 8

@@ -2,8 +2,9 @@
 
 JSON over HTTP:
 
-    POST /start       {task, options?, request_id?}  -> {session, observation}
-    POST /observation {session, action, request_id?} -> {observation, done, reward, turn}
+    POST /start       {task, options?, images?, request_id?}  -> {session, observation, images?}
+    POST /observation {session, action, images?, request_id?}
+                                          -> {observation, images?, done, reward, turn}
     POST /end         {session, request_id?}         -> {reward, info}
     POST /pause       {session}                      -> {session, paused: true}
     POST /resume      {session}                      -> {session, paused: false}
@@ -19,6 +20,13 @@ and other server-side settings never come from a client.
 A reward in a reply is a finite number or null (none this step); an adapter's reward that is
 not one is sent as null with a `reward_error` message, and the client ends that task
 `bad_reward`.
+Images: an observation may carry images beside its text, `"images": [{"data": "<base64 of a
+PNG or JPEG file>", "mime": "image/png"}, ...]` (absent when there are none; see
+tiderl/envs/images.py). A /start or /observation request may carry images the same way (a task's
+picture, an action's attachment) for adapters that take them (`accepts_images`); an adapter
+that does not answers 422. Every image, either way, is checked against env.images: over a limit
+(count, bytes, total bytes, pixels) answers 413, not a PNG or JPEG (or bad base64) 422, each
+naming the limit's config key; the session is not touched.
 `request_id` is an idempotency key: a retried request with the same key gets the first reply
 instead of being applied twice, which is what makes client retries of /observation safe.
 """
@@ -29,6 +37,9 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import Any
+
+from tiderl.envs.config import ImageConfig
+from tiderl.envs.images import Image, ImageError, from_wire
 
 
 class EndReason(enum.StrEnum):
@@ -100,22 +111,33 @@ def _id(body: Mapping[str, Any], name: str, *, required: bool) -> str | None:
     return value
 
 
+def _images(body: Mapping[str, Any], limits: ImageConfig | None) -> tuple[Image, ...]:
+    if body.get("images") is None:
+        return ()
+    try:
+        return from_wire(body["images"], limits or ImageConfig(), where="images")
+    except ImageError as e:
+        raise ProtocolError(e.status, e.message) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class StartRequest:
     task: dict[str, Any]
     request_id: str | None = None
     options: dict[str, str] = dataclasses.field(default_factory=dict)
+    images: tuple[Image, ...] = ()
 
     @classmethod
-    def parse(cls, body: Any) -> StartRequest:
+    def parse(cls, body: Any, *, images: ImageConfig | None = None) -> StartRequest:
         body = _require_object(body)
         options = _field(body, "options", dict, required=False) or {}
         bad = [k for k, v in options.items() if not isinstance(v, str)]
         if bad:
             raise ProtocolError(422, f"field 'options' must map names to strings; {bad[0]!r} is "
                                      f"{type(options[bad[0]]).__name__}")
-        return cls(task=dict(_field(body, "task", dict)),
-                   request_id=_id(body, "request_id", required=False), options=dict(options))
+        task = dict(_field(body, "task", dict))
+        return cls(task=task, request_id=_id(body, "request_id", required=False),
+                   options=dict(options), images=_images(body, images))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +145,11 @@ class StepRequest:
     session: str
     action: str
     request_id: str | None = None
+    images: tuple[Image, ...] = ()
 
     @classmethod
-    def parse(cls, body: Any, *, max_action_chars: int) -> StepRequest:
+    def parse(cls, body: Any, *, max_action_chars: int,
+              images: ImageConfig | None = None) -> StepRequest:
         body = _require_object(body)
         session = _session(body)
         action = _field(body, "action", str)
@@ -134,7 +158,8 @@ class StepRequest:
                                      f"limit of {max_action_chars}; shorten the action or raise "
                                      "env.max_action_chars on the server")
         return cls(session=session, action=action,
-                   request_id=_id(body, "request_id", required=False))
+                   request_id=_id(body, "request_id", required=False),
+                   images=_images(body, images))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +194,8 @@ class StartResult(_Outcome):
     observation: str = ""
     reason: EndReason | None = None
     error: str = ""
+    images: tuple[Image, ...] = ()
+    """The observation's images (checked against the client's env.images)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +210,8 @@ class StepResult(_Outcome):
     """Why the server ended a not-finished episode ('turn_limit': its turn cap), else ''."""
     reason: EndReason | None = None
     error: str = ""
+    images: tuple[Image, ...] = ()
+    """The observation's images (checked against the client's env.images)."""
 
 
 @dataclasses.dataclass(frozen=True)

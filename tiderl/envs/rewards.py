@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from tiderl.envs.images import placeholders
 from tiderl.envs.protocol import EndReason, EndResult, StartResult, StepResult
 from tiderl.envs.suites import load_object
 
@@ -157,8 +158,8 @@ class RewardedEnv:
     async def start(self, task: dict[str, Any]) -> StartResult:
         r = await self.env.start(task)
         if r.ok:
-            self._logs[r.session] = _Log(dict(task), [{"role": "user",
-                                                       "content": r.observation}])
+            self._logs[r.session] = _Log(dict(task), [{"role": "user", "content": placeholders(
+                r.observation, r.images)}])
         return r
 
     async def step(self, session: str, action: str) -> StepResult:
@@ -169,7 +170,8 @@ class RewardedEnv:
             lg.actions.append(action)
             lg.messages.append({"role": "assistant", "content": action})
             if r.ok and not r.done:
-                lg.messages.append({"role": "user", "content": r.observation})
+                lg.messages.append({"role": "user",
+                                    "content": placeholders(r.observation, r.images)})
             lg.done = r.ok and r.done and r.truncated != "turn_limit"
         return r
 

@@ -9,6 +9,10 @@ park a task for long).
 A client's /start options are checked against the adapter's `client_options`; paths never
 come from a client: adapters keep their files (TextWorld's compiled games) in the server's own
 `state_dir`, a private folder made at startup unless the server is given one.
+
+Images an adapter returns (reset's Observation, a Step's images) are checked against env.images
+before they are sent: an adapter breaking a limit is the environment's failure (500, the
+session closed). Images in a request are checked before the session is touched (413/422).
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import prometheus_client as prom
 from aiohttp import web
 
 from tiderl.configlib import ConfigError
-from tiderl.envs.adapters.base import Adapter, TaskError
+from tiderl.envs.adapters.base import Adapter, Observation, TaskError
 from tiderl.envs.config import EnvConfig
+from tiderl.envs.images import Image, check_all, to_wire
 from tiderl.envs.latency import LatencyModel
 from tiderl.envs.protocol import ProtocolError, SessionRequest, StartRequest, StepRequest
 
 _TOMBSTONES = 16384  # ended sessions remembered (late requests get 410, a retried /end its reply)
 _START_REPLIES = 8192  # /start replies kept for idempotent retries
+_START_REPLY_IMAGE_BYTES = 64 << 20  # ... and at most this many bytes of their images
 
 
 @dataclasses.dataclass
@@ -97,6 +103,7 @@ class EnvServer:
         self.client_options: frozenset[str] = frozenset(
             getattr(adapter_cls, "client_options", frozenset()))
         """Options a /start may set (the adapter's allow-list)."""
+        self.accepts_images = bool(getattr(adapter_cls, "accepts_images", False))
         self._own_state_dir = state_dir is None
         self.state_dir = tempfile.mkdtemp(prefix="tiderl-env-") if state_dir is None else (
             os.path.abspath(state_dir))
@@ -112,8 +119,9 @@ class EnvServer:
         self._latency = LatencyModel(cfg.latency)
         self._sessions: dict[str, _Session] = {}
         self._tombs: collections.OrderedDict[str, _Tombstone] = collections.OrderedDict()
-        self._start_replies: collections.OrderedDict[str, dict[str, Any]] = (
+        self._start_replies: collections.OrderedDict[str, tuple[dict[str, Any], int]] = (
             collections.OrderedDict())
+        self._start_reply_bytes = 0
         self._start_inflight: dict[str, asyncio.Future] = {}
         self._starting = 0
         cap = getattr(adapter_cls, "max_workers", None)
@@ -253,10 +261,34 @@ class EnvServer:
                                          f"{self.suite}; clients may set: {allowed}); drop it "
                                          "from env.options, or set it when starting the server")
 
-    async def _call(self, adapter: Adapter, fn: Callable[..., Any], *args: Any) -> Any:
+    def _check_request_images(self, images: tuple[Image, ...], where: str) -> None:
+        if images and not self.accepts_images:
+            raise ProtocolError(422, f"{where} carries {len(images)} images but suite "
+                                     f"{self.suite} takes none (its adapter does not set "
+                                     "accepts_images); send text only")
+
+    def _observation(self, text: Any, images: Any, where: str) -> dict[str, Any]:
+        """An adapter's observation text and images as reply fields; an ImageError when its
+        images break env.images."""
+        out: dict[str, Any] = {"observation": str(text)}
+        if images:
+            out["images"] = to_wire(check_all(list(images), self.cfg.images, where=where))
+        return out
+
+    def _keep_start_reply(self, request_id: str, body: dict[str, Any]) -> None:
+        size = sum(len(im["data"]) for im in body.get("images", ()))
+        self._start_replies[request_id] = (body, size)
+        self._start_reply_bytes += size
+        while len(self._start_replies) > _START_REPLIES or (
+                self._start_reply_bytes > _START_REPLY_IMAGE_BYTES and self._start_replies):
+            self._start_reply_bytes -= self._start_replies.popitem(last=False)[1][1]
+
+    async def _call(self, adapter: Adapter, fn: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
         if adapter.blocking:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: fn(*args, **kwargs))
+        return fn(*args, **kwargs)
 
     async def _close(self, s: _Session, why: str) -> tuple[float, dict[str, Any]] | None:
         """Removes `s` and closes its adapter; returns the adapter's (reward, info) if it can."""
@@ -287,11 +319,12 @@ class EnvServer:
     # ---------------------------------------------------------------- routes
 
     async def _start(self, request: web.Request) -> web.Response:
-        req = StartRequest.parse(await self._body(request))
+        req = StartRequest.parse(await self._body(request), images=self.cfg.images)
         self._check_client_options(req.options)
+        self._check_request_images(req.images, "/start")
         if req.request_id is not None:
             if req.request_id in self._start_replies:
-                return _json(self._start_replies[req.request_id])
+                return _json(self._start_replies[req.request_id][0])
             pending = self._start_inflight.get(req.request_id)
             if pending is not None:
                 status, body = await asyncio.shield(pending)
@@ -304,7 +337,8 @@ class EnvServer:
             self._start_inflight[req.request_id] = future
         self._starting += 1
         try:
-            status, body = await self._do_start(req.task, req.options)
+            task = {**req.task, "images": req.images} if req.images else req.task
+            status, body = await self._do_start(task, req.options)
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # mark retrieved: a waiting retry re-raises it, or nobody does
@@ -315,9 +349,7 @@ class EnvServer:
                 self._start_inflight.pop(req.request_id, None)
         future.set_result((status, body))
         if req.request_id is not None and status == 200:
-            self._start_replies[req.request_id] = body
-            while len(self._start_replies) > _START_REPLIES:
-                self._start_replies.popitem(last=False)
+            self._keep_start_reply(req.request_id, body)
         return _json(body, status)
 
     async def _do_start(self, task: dict[str, Any], options: Mapping[str, str] | None = None
@@ -338,7 +370,9 @@ class EnvServer:
         if delay:
             await asyncio.sleep(delay)
         try:
-            observation = await self._call(adapter, adapter.reset, task)
+            first = await self._call(adapter, adapter.reset, task)
+            observation = self._observation(first.text, first.images, "reset's observation") \
+                if isinstance(first, Observation) else {"observation": str(first)}
         except TaskError as e:
             with contextlib.suppress(Exception):
                 await self._call(adapter, adapter.close)
@@ -352,12 +386,13 @@ class EnvServer:
                                               loop.time())
         self.metrics.started.inc()
         self._gauges()
-        return 200, {"session": session_id, "observation": str(observation)}
+        return 200, {"session": session_id, **observation}
 
     async def _step(self, request: web.Request) -> web.Response:
         req = StepRequest.parse(await self._body(request),
-                                max_action_chars=self.cfg.action_chars)
+                                max_action_chars=self.cfg.action_chars, images=self.cfg.images)
         s = self._live(req.session)
+        self._check_request_images(req.images, "/observation")
         s.busy += 1
         try:
             async with s.lock:
@@ -378,15 +413,18 @@ class EnvServer:
                 if delay:
                     await asyncio.sleep(delay)
                 try:
-                    step = await self._call(s.adapter, s.adapter.step, req.action)
+                    step = await self._call(s.adapter, s.adapter.step, req.action,
+                                            **({"images": req.images} if req.images else {}))
+                    observation = self._observation(step.observation,
+                                                    getattr(step, "images", ()),
+                                                    "step's observation")
                 except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
                     return await self._adapter_failed(s, "step", e)
                 s.turn += 1
                 done = bool(step.done) or s.turn >= self.cfg.max_turns
                 s.done = done
                 reward, bad = _reward(step.reward, optional=True)
-                body = {"observation": str(step.observation), "done": done,
-                        "reward": reward, "turn": s.turn}
+                body = {**observation, "done": done, "reward": reward, "turn": s.turn}
                 if bad:
                     body["reward_error"] = bad
                 if done and not step.done:

@@ -16,6 +16,7 @@ SUITES: dict[str, str] = {
     "gym": "tiderl.envs.adapters.gym:GymText",
     "textworld": "tiderl.envs.adapters.textworld:TextWorldGame",
     "textarena": "tiderl.envs.adapters.textarena:TextArenaGame",
+    "gui": "tiderl.envs.adapters.gui:GuiDesktop",
 }
 
 # What to install for each optional suite, named in the error when it is missing.

@@ -12,7 +12,8 @@ Failures are values: an env error or timeout ends the task with that `EndReason`
 reward that is not a finite number (`bad_reward`: never a NaN in a group's advantages); an
 action longer than the env server takes ends it `action_too_long`, a verdict that trains like
 a turn limit; a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
-on the other ranks.
+on the other ranks. The policy reads text only: an observation's images (an image suite such
+as `gui`) become placeholder lines, `[image 1: image/png 640x360]` (logged once).
 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
@@ -35,6 +36,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from tiderl.envs.images import placeholders
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.templates import Transcript, TurnTemplate
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
@@ -151,6 +153,7 @@ class RolloutManager:
         self.submitted = 0
         self.fatal: RolloutFailedError | None = None
         self._clocked = False
+        self._warned_images = False
         self._busy_at: float | None = None
         self._busy_s: list[float] = []
         self._window: tuple[float, list[float], dict[str, float]] | None = None
@@ -334,7 +337,8 @@ class RolloutManager:
                 traj.end_reason, traj.error = start.reason, start.error
                 return traj
             ep.session = start.session
-            transcript = Transcript.start(self.template, start.observation, system=self.system)
+            transcript = Transcript.start(self.template, self._text(tid, start),
+                                          system=self.system)
             new_tokens = list(transcript.tokens)
             reward: float | None = None
             while True:
@@ -372,7 +376,7 @@ class RolloutManager:
                 if traj.turns >= self.max_turns:
                     traj.end_reason = EndReason.turn_limit
                     break
-                new_tokens = transcript.add_observation(step.observation)
+                new_tokens = transcript.add_observation(self._text(tid, step))
             self._settle(traj, await self.env.end(ep.session), reward)
             return traj
         except asyncio.CancelledError:
@@ -389,6 +393,16 @@ class RolloutManager:
             self._close(ep)
             self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
                 str(traj.end_reason), 0) + 1
+
+    def _text(self, task_id: str, result: Any) -> str:
+        """An observation as the (text-only) policy reads it: each image a placeholder line."""
+        images = getattr(result, "images", ())
+        if images and not self._warned_images:
+            self._warned_images = True
+            log.warning("task %s: the environment sends images; the policy reads text only, so "
+                        "each image is a placeholder line in its observation (%s)", task_id,
+                        images[0].placeholder(1))
+        return placeholders(result.observation, images)
 
     @staticmethod
     def _settle(traj: Trajectory, end: Any, reward: float | None) -> None:

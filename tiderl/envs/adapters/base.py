@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
+
+from tiderl.envs.images import Image
 
 
 class TaskError(ValueError):
@@ -14,11 +16,21 @@ class TaskError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What one action produced."""
+    """What one action produced; `images` (PNG or JPEG: `tiderl.envs.images.png(pil_image)`,
+    or raw bytes) go with the observation."""
 
     observation: str
     done: bool
     reward: float | None = None
+    images: Sequence[Image | bytes] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """A first observation with images: what `reset` returns instead of a string."""
+
+    text: str
+    images: Sequence[Image | bytes] = ()
 
 
 class Adapter(abc.ABC):
@@ -38,6 +50,10 @@ class Adapter(abc.ABC):
     external server that way). Anything else a client sends is refused (400) unless it equals
     the server's own value. List only options that shape the task; never one that names a
     path, a command or a resource limit of the server."""
+    accepts_images: ClassVar[bool] = False
+    """Whether requests may carry images to this adapter: a /start's images reach `reset` as
+    `task["images"]` and an /observation's as `step(action, images=...)` (tuples of checked
+    `tiderl.envs.images.Image`). False: a request with images answers 422."""
 
     state_dir: str = ""
     """A folder private to the server hosting this adapter, for its files (caches); set by the
@@ -59,8 +75,9 @@ class Adapter(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def reset(self, task: Mapping[str, Any]) -> str:
-        """Starts the episode described by `task`; returns the first observation."""
+    def reset(self, task: Mapping[str, Any]) -> str | Observation:
+        """Starts the episode described by `task`; returns the first observation (a string, or
+        an Observation with images)."""
 
     @abc.abstractmethod
     def step(self, action: str) -> Step:
