@@ -13,7 +13,7 @@ reward that is not a finite number (`bad_reward`: never a NaN in a group's advan
 action longer than the env server takes ends it `action_too_long`, a verdict that trains like
 a turn limit; a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
 on the other ranks. The policy reads text only: an observation's images (an image suite such
-as `gui`) become placeholder lines, `[image 1: image/png 640x360]` (logged once).
+as `gui`) become placeholder lines, `[image 1: image/png 640x400]` (logged once).
 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
