@@ -22,7 +22,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[EnvConfig, str]:
     p = argparse.ArgumentParser(prog="python -m tiderl.envs", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="serve one env suite over HTTP")
-    s.add_argument("--suite", default="default", help="default | gym | textworld | textarena")
+    s.add_argument("--suite", default="default", help="default | gym | textworld | textarena | gui")
     s.add_argument("--adapter", default="", metavar="package.module:Class",
                    help="serve your own Adapter subclass (instead of --suite)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

@@ -366,7 +366,7 @@ class EnvServer:
             return 500, {"error": f"environment failed to start: {type(e).__name__}: {e}"}
         except Exception as e:  # noqa: BLE001 - an env failure is a 500 value, not a crash
             return 500, {"error": f"environment failed to start: {type(e).__name__}: {e}"}
-        delay = self._latency.sample(task_id, 0)
+        delay = self._latency.sample(task_id, 0) + max(0.0, float(adapter.start_delay_s))
         if delay:
             await asyncio.sleep(delay)
         try:

@@ -55,6 +55,10 @@ class Adapter(abc.ABC):
     `task["images"]` and an /observation's as `step(action, images=...)` (tuples of checked
     `tiderl.envs.images.Image`). False: a request with images answers 422."""
 
+    start_delay_s: float = 0.0
+    """Seconds the server waits before `reset` (asynchronously: no worker thread is held), to
+    mimic an environment that is slow to start (a VM booting); set it in `__init__`."""
+
     state_dir: str = ""
     """A folder private to the server hosting this adapter, for its files (caches); set by the
     server before `reset`, '' when the adapter runs outside one."""
