@@ -224,3 +224,24 @@ async def test_the_client_refuses_replies_over_its_own_limits_and_ends_the_sessi
         s = await env.start({"task_id": "t"})
         r = await env.step(s.session, "many")  # the server refuses its own adapter first
         assert r.reason == EndReason.env_error and "HTTP 500" in r.error
+
+
+@pytest.mark.asyncio
+async def test_a_retried_start_replays_its_images_and_kept_replies_are_bounded_by_bytes(
+        monkeypatch):
+    import tiderl.envs.server as server_mod
+
+    async with serving() as (server, url, _, http):
+        body = {"task": {"task_id": "t", "w": 40}, "request_id": "r1"}
+        first = await post(http, url + "/start", body)
+        again = await post(http, url + "/start", body)  # the first reply was "lost": a retry
+        assert first == again and first[0] == 200 and len(first[1]["images"]) == 1
+        assert server.live_sessions == 1
+        one = server._start_reply_bytes
+        assert one == len(first[1]["images"][0]["data"]) > 0
+        monkeypatch.setattr(server_mod, "_START_REPLY_IMAGE_BYTES", 3 * one)
+        for i in range(5):
+            await post(http, url + "/start", {"task": {"task_id": f"u{i}", "w": 40},
+                                              "request_id": f"q{i}"})
+        assert len(server._start_replies) == 3 and server._start_reply_bytes == 3 * one
+        assert "r1" not in server._start_replies  # the oldest went first
