@@ -88,6 +88,11 @@ def test_sampling_contract():
     # Same key → same token whatever the row's neighbours (keys come from identities only).
     tok1, _ = sample(logits[2:3], keys[2:3], temp[2:3])
     assert int(tok1[0]) == int(tok[2])
+    # An all-greedy batch (no Gumbel noise drawn): argmax and the untempered logprob.
+    tg, lpg = sample(logits, keys, jnp.zeros(4))
+    np.testing.assert_array_equal(tg, jnp.argmax(logits, -1))
+    np.testing.assert_allclose(lpg, jax.nn.log_softmax(logits)[jnp.arange(4), tg], atol=1e-6)
+    assert int(tg[0]) == int(tok[0])
     # top_k=1 is greedy at any T; the logprob stays full-vocabulary.
     tk, lpk = sample(logits, keys, jnp.ones(4), top_k=1)
     np.testing.assert_array_equal(tk, jnp.argmax(logits, -1))
