@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 from tiderl.models.attention import resolve_impl, train_attention, training_mask
 from tiderl.models.config import ModelConfig
 from tiderl.models.layers import attend_query_chunked, map_time_chunks, rms_norm, rope
+from tiderl.models.lora import LoraSpec, adapter, lora_delta, make_adapters
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -62,11 +63,27 @@ def _train_impl(cfg: ModelConfig, seq_len: int) -> str:
                         compute_dtype=cfg.compute_dtype, head_dim=cfg.head_dim, seq_len=seq_len)
 
 
+def _add_lora(module: nnx.Module, cfg: ModelConfig, lora: LoraSpec | None, part: str,
+              rngs: nnx.Rngs) -> None:
+    """`module.lora`: the part's LoRA adapters (models/lora.py), or None."""
+    module.lora_scale = lora.scale if lora is not None else 0.0
+    module.lora = (make_adapters(cfg, lora, part, rngs, DTYPES[cfg.param_dtype])
+                   if lora is not None else None)
+
+
+def _plus_lora(y: Array, ab: tuple[Array, Array] | None, scale: float, x: Array,
+               n_in_axes: int = 1) -> Array:
+    """y + scale·(x·A)·B (reshaped to y) when the projection has an adapter, else y."""
+    dy = lora_delta(ab, scale, x, n_in_axes)
+    return y if dy is None else y + dy.reshape(y.shape)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pd, std = DTYPES[cfg.param_dtype], cfg.init_std
         d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.cfg = cfg
+        _add_lora(self, cfg, lora, "attn", rngs)
         self.wq_dhk = _param(rngs, (d, h, dh), ("embed", "heads", "head_dim"), std, pd)
         self.wk_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, pd)
         self.wv_dkh = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), std, pd)
@@ -87,6 +104,10 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x_btd, self.wq_dhk[...].astype(cd))
         k = jnp.einsum("btd,dhk->bthk", x_btd, self.wk_dkh[...].astype(cd))
         v = jnp.einsum("btd,dhk->bthk", x_btd, self.wv_dkh[...].astype(cd))
+        if self.lora is not None:  # unmerged LoRA: + scale·(x·A)·B (models/lora.py)
+            q = _plus_lora(q, adapter(self.lora, "q_proj"), self.lora_scale, x_btd)
+            k = _plus_lora(k, adapter(self.lora, "k_proj"), self.lora_scale, x_btd)
+            v = _plus_lora(v, adapter(self.lora, "v_proj"), self.lora_scale, x_btd)
         if self.cfg.qkv_bias:
             q = q + self.bq_hk[...].astype(cd)
             k = k + self.bk_kh[...].astype(cd)
@@ -104,12 +125,14 @@ class Attention(nnx.Module):
                 out = train_attention(q, k, v, mask_btt, impl)
         else:
             out, cache = cache.attend(layer, q, k, v)
-        return jnp.einsum("bthk,hkd->btd", out, self.wo_hkd[...].astype(cd)), cache
+        y = jnp.einsum("bthk,hkd->btd", out, self.wo_hkd[...].astype(cd))
+        return _plus_lora(y, adapter(self.lora, "o_proj"), self.lora_scale, out, 2), cache
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        _add_lora(self, cfg, lora, "mlp", rngs)
         self.w_gate_df = _param(rngs, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), std, pd)
         self.w_up_df = _param(rngs, (cfg.d_model, cfg.mlp_dim), ("embed", "mlp"), std, pd)
         self.w_down_fd = _param(rngs, (cfg.mlp_dim, cfg.d_model), ("mlp", "embed"), std, pd)
@@ -120,20 +143,28 @@ class MLP(nnx.Module):
         w_gate, w_up = self.w_gate_df[...].astype(cd), self.w_up_df[...].astype(cd)
         w_down = self.w_down_fd[...].astype(cd)
 
+        ab = {n: adapter(self.lora, n) for n in ("gate_proj", "up_proj", "down_proj")}
+
+        def lin(x, w, name):  # read outside the chunk map: plain arrays in the closure
+            return _plus_lora(x @ w, ab[name], self.lora_scale, x)
+
         def mlp(x):
-            return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+            if self.lora is None:
+                return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+            return lin(jax.nn.silu(lin(x, w_gate, "gate_proj")) * lin(x, w_up, "up_proj"),
+                       w_down, "down_proj")
 
         return map_time_chunks(mlp, x_btd, chunk) if chunk else mlp(x_btd)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pd = DTYPES[cfg.param_dtype]
         self.eps = cfg.norm_eps
         self.attn_norm_d = _ones((cfg.d_model,), ("norm",), pd)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, lora=lora)
         self.mlp_norm_d = _ones((cfg.d_model,), ("norm",), pd)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x_btd, positions_bt, mask_btt, *, cache, layer: int,
                  token_chunk: int = 0):
@@ -250,31 +281,34 @@ def scan_remat(apply: Any, stacked: Any, x_btd: Array, consts: tuple, group: int
     return stack(stacked, x_btd, consts)
 
 
-def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: LoraSpec | None) -> Block:
     """`n_layers` blocks as one Block whose parameters have a leading layer axis (logical name
     'layers', never sharded), each layer initialised from its own split of `rngs`."""
 
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
+        return Block(cfg, rngs=rngs, lora=lora)
 
     return make(rngs)
 
 
 class Decoder(nnx.Module):
     """Llama/Qwen-style decoder: RMSNorm, RoPE (optionally llama3-scaled), GQA, SwiGLU, optional
-    qkv bias and q/k norm, tied or untied embeddings."""
+    qkv bias and q/k norm, tied or untied embeddings. `lora`: LoRA adapters on the targeted
+    projections (models/lora.py; their keys come from `rngs`' 'lora' stream, the base weights
+    are drawn as without them)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: LoraSpec | None = None):
         pd = DTYPES[cfg.param_dtype]
         self.cfg = cfg
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                                cfg.init_std, pd)
         if cfg.scan_layers:
-            self.layers = _stacked_blocks(cfg, rngs)
+            self.layers = _stacked_blocks(cfg, rngs, lora)
         else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.layers = nnx.List([Block(cfg, rngs=rngs, lora=lora)
+                                    for _ in range(cfg.n_layers)])
         self.final_norm_d = _ones((cfg.d_model,), ("norm",), pd)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any, Protocol, runtime_checkable
 
@@ -14,6 +15,7 @@ from jax.sharding import Mesh
 from tiderl.configlib import ConfigError
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import AttentionCache, Decoder
+from tiderl.models.lora import LoraSpec, merge_lora, unstack_adapters
 from tiderl.models.sharding import state_shardings
 
 
@@ -137,6 +139,69 @@ def serving_params(params: nnx.State, cfg: ModelConfig) -> nnx.State:
     cd = DTYPES[cfg.compute_dtype]
     per_layer = convert_layout(params, cfg, scan_layers=False)
     return jax.tree.map(lambda x: x.astype(cd) if x.ndim >= 2 else jnp.copy(x), per_layer)
+
+
+def _lora_module(cfg: ModelConfig, spec: LoraSpec, seed: int) -> Decoder:
+    if cfg.policy != "decoder":
+        raise ConfigError(f"config key 'trainer.lora_rank'={spec.rank} needs the built-in "
+                          f"decoder, not model.policy={cfg.policy!r}; set trainer.lora_rank=0")
+    # The base draws from 'params' exactly as without LoRA; the adapters from 'lora'.
+    return Decoder(cfg, rngs=nnx.Rngs(params=seed, lora=seed + 1), lora=spec)
+
+
+def lora_policy(cfg: ModelConfig, spec: LoraSpec, *, seed: int = 0, mesh: Mesh | None = None,
+                ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef of the decoder with adapters, fresh adapters, abstract base): the adapters
+    (`nnx.LoRAParam`) created directly in their shardings on `mesh`; merge the graphdef with
+    (adapters, base params of the plain decoder of `cfg`: same paths)."""
+    graphdef, abstract_adapters, abstract_base = nnx.split(
+        nnx.eval_shape(lambda: _lora_module(cfg, spec, seed)), nnx.LoRAParam, ...)
+
+    def create() -> nnx.State:  # the base's initialisation is dead code: XLA drops it
+        return nnx.split(_lora_module(cfg, spec, seed), nnx.LoRAParam, ...)[1]
+
+    out = None if mesh is None else state_shardings(abstract_adapters, mesh)
+    return graphdef, jax.jit(create, out_shardings=out)(), abstract_base
+
+
+def abstract_lora(cfg: ModelConfig, spec: LoraSpec) -> nnx.State:
+    """The adapters' abstract state (shapes, dtypes, sharding names) for `cfg`'s layout."""
+    return nnx.split(nnx.eval_shape(lambda: _lora_module(cfg, spec, 0)), nnx.LoRAParam, ...)[1]
+
+
+def serving_adapters(adapters: nnx.State, cfg: ModelConfig, spec: LoraSpec) -> nnx.State:
+    """Adapters in the engines' per-layer layout (fresh arrays; jit it, as `serving_params`)."""
+    if not cfg.scan_layers:
+        return jax.tree.map(jnp.copy, adapters)
+    return unstack_adapters(adapters, abstract_lora(serving_config(cfg), spec))
+
+
+@dataclasses.dataclass
+class LoraExport:
+    """What a LoRA trainer exports at a sync: the adapters in the engines' per-layer layout
+    (fresh copies: the next update donates the trainer's) and the frozen base they apply to
+    (the trainer's own arrays, never updated). `full()` gives merged serving weights (a rank
+    that starts, or any path that moves whole weights); the site's sync moves `adapters` only
+    and merges on each rollout device over a `serving_base()` kept there
+    (`tiderl.runtime.parts`)."""
+
+    adapters: nnx.State
+    base: nnx.State
+    scale: float
+    cfg: ModelConfig
+
+    def serving_base(self) -> nnx.State:
+        """The base in the engines' layout and dtype (a fresh tree, `serving_params`)."""
+        return _serving_jit(self.cfg)(self.base)
+
+    def full(self) -> nnx.State:
+        """Merged serving weights: W + scale·A·B over the serving base."""
+        return merge_lora(self.serving_base(), self.adapters, self.scale)
+
+
+@functools.lru_cache(maxsize=8)
+def _serving_jit(cfg: ModelConfig) -> Any:
+    return jax.jit(functools.partial(serving_params, cfg=cfg))
 
 
 class _ProbeCache:

@@ -28,7 +28,12 @@ from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
 from tiderl.runtime.build import build_policy, start_devices
 from tiderl.runtime.devices import cell_layout
-from tiderl.runtime.parts import MicroBatcher, rollout_config_for, trainer_config_for_mode
+from tiderl.runtime.parts import (
+    MicroBatcher,
+    WeightPlacer,
+    rollout_config_for,
+    trainer_config_for_mode,
+)
 from tiderl.runtime.taskstream import task_streams
 from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
@@ -168,6 +173,8 @@ class _Job:
             trainer_config_for_mode(cfg), cfg.model, actor_mesh=self.meshes["actor"],
             ref_mesh=ref_mesh, temperature=self.rcfg.temperature, seed=cfg.seed,
             policy=(graphdef, params))
+        # Cells' syncs (`sync_weights`): device to device; LoRA keeps a base per device.
+        self.placer = WeightPlacer(cfg.model, self.trainer.serving_abstract)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints",
                                  keep=cfg.controller.keep_checkpoints)
         self.start_step, self.data_state = 0, {"next_index": 0, "pending": []}
@@ -321,23 +328,21 @@ class _Job:
     async def sync_weights(self, exported: Any, version: int) -> Any:
         if self.runtime is None:
             return await self.site_sync(exported, version)
-        import jax
-
-        cfg, trainer = self.cfg, self.trainer
+        trainer = self.trainer
         live = [r for r in (self.manager.ranks if self.manager is not None else self.slots)
                 if r is not None and r.live and r.version != version]
 
-        def put() -> list[Any]:
-            served = serving_weights(exported, cfg.model)  # the compute dtype, as make_rank
-            return [jax.device_put(served, r.engine.device) for r in live]
+        def put() -> tuple[list[Any], Any]:
+            # The compute dtype, as make_rank; LoRA: the adapters alone (runtime/parts.py).
+            return self.placer(exported, [r.engine.device for r in live])
 
         # On the trainer's worker thread, one cast and copy after another: all cross-device
         # work is issued from one thread in one order (and off the event loop: env I/O keeps
         # flowing).
-        copies = await asyncio.wrap_future(trainer.call(put))
+        copies, stats = await asyncio.wrap_future(trainer.call(put))
         await asyncio.gather(*(r.update_weights(w, version)
                                for r, w in zip(live, copies, strict=True)))
-        return None
+        return stats.metrics()
 
     def planner(self) -> Any:
         cfg = self.cfg

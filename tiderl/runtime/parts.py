@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+import jax
 
 from tiderl.config import RunConfig
 from tiderl.serving.engine import Engine
@@ -50,20 +53,64 @@ class MicroBatcher:
         return mbs
 
 
+class WeightPlacer:
+    """Exported trainer weights → rollout ranks, device to device: `place(exported, dests)
+    -> (per-rank weights, SyncStats)`; a dest is a rank's mesh (its one device or its
+    tensor-parallel cell: `weightsync.rank_shardings`) or a device.
+
+    Full weights: one replica, cast to the engines' compute dtype (bf16 runs: half the bytes per
+    decode step, same values; serving/weights.py), put on every dest. LoRA (a `LoraExport`):
+    the first sync to a dest puts the serving base there (whole weights, once); every sync
+    then moves only the adapters and merges W + scale·A·B on the dest's devices
+    (`models.lora.merge_lora`: fresh arrays for the adapted weights, the base's for the rest).
+    A dest left out of a call drops its base (a cell that left rollout frees its memory).
+    The stats count the bytes moved, and `full_bytes` what whole weights would have moved."""
+
+    def __init__(self, model_cfg: Any, abstract: Any, dests: Sequence[Any] = ()):
+        self.cfg, self.abstract, self.dests = model_cfg, abstract, list(dests)
+        self.bases: dict[Any, Any] = {}
+
+    @staticmethod
+    def _target(tree: Any, dest: Any) -> Any:
+        from tiderl.runtime.weightsync import rank_shardings
+
+        return dest if isinstance(dest, jax.Device) else rank_shardings(tree, dest)
+
+    def __call__(self, exported: Any, dests: Sequence[Any] | None = None
+                 ) -> tuple[list[Any], Any]:
+        from tiderl.models.lora import merge_lora
+        from tiderl.models.policy import LoraExport
+        from tiderl.runtime.weightsync import SyncStats, local_replica, put_local, tree_bytes
+
+        dests = self.dests if dests is None else list(dests)
+        if not isinstance(exported, LoraExport):
+            trees, stats = put_local(local_replica(serving_weights(exported, self.cfg)),
+                                     [self._target(self.abstract, d) for d in dests])
+            stats.full_bytes = stats.local_bytes
+            return trees, stats
+        self.bases = {d: b for d, b in self.bases.items() if d in dests}
+        new = [d for d in dests if d not in self.bases]
+        stats = SyncStats()
+        if new:  # once per dest: the serving base
+            bases, stats = put_local(local_replica(exported.serving_base()),
+                                     [self._target(self.abstract, d) for d in new])
+            self.bases.update(zip(new, bases, strict=True))
+        ads, moved = put_local(local_replica(exported.adapters),
+                               [self._target(exported.adapters, d) for d in dests])
+        stats.add(moved)
+        trees = [merge_lora(self.bases[d], a, exported.scale)
+                 for d, a in zip(dests, ads, strict=True)]
+        stats.full_bytes = sum(tree_bytes(t) for t in trees)  # in the engines' dtype
+        return trees, stats
+
+
 async def local_ranks(cfg: RunConfig, trainer: Any, graphdef: Any, meshes: dict,
                       rcfg: Any) -> tuple[list[RolloutRank], Any]:
     """One process's rollout ranks, an engine each on its device or tensor-parallel cell
     (`rollout.devices_per_rank`), and the sync hook: one trainer replica resharded into each
     rank's layout device to device (`tiderl.runtime.weightsync`), off the event loop so env I/O keeps
     flowing; it returns the sync's bytes and GB/s for the step's record."""
-    from tiderl.runtime.weightsync import local_replica, put_local, rank_shardings
-
-    targets = [rank_shardings(trainer.serving_abstract, m) for m in meshes["rollout"]]
-    # Engines serve the weights in the compute dtype (bf16 runs: half the bytes per decode
-    # step, same values; serving/weights.py); the cast runs off the event loop too.
-    def place(exported: Any) -> Any:
-        return put_local(local_replica(serving_weights(exported, cfg.model)), targets)
-
+    place = WeightPlacer(cfg.model, trainer.serving_abstract, meshes["rollout"])
     first, _ = await asyncio.to_thread(place, await trainer.export_weights_async())
     engines = [Engine(graphdef, w, cfg.model, rcfg, seed=cfg.seed, version=trainer.version)
                for w in first]

@@ -14,6 +14,7 @@ from tiderl.configlib import ConfigError, from_dict
 from tiderl.models.config import ModelConfig
 
 _PARAMS_PREFIX = "['train']['params']"
+_BASE_PREFIX = "['base']"
 
 
 class RunParams(NamedTuple):
@@ -56,7 +57,9 @@ def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, 
     from tiderl.models.hf import load_hf_config
     from tiderl.train.checkpoint import _structure
 
-    saved = [s for s in meta.get("structure", []) if s.startswith(_PARAMS_PREFIX)]
+    # A LoRA run saves its frozen base beside the adapters' train state: the base is the model.
+    prefix = _BASE_PREFIX if meta.get("lora") else _PARAMS_PREFIX
+    saved = [s[len(prefix):] for s in meta.get("structure", []) if s.startswith(prefix)]
 
     def candidates() -> Iterator[ModelConfig]:
         try:
@@ -71,7 +74,7 @@ def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, 
     for cfg in candidates():
         abstract = nnx.eval_shape(lambda c=cfg: Decoder(c, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
-        if _structure({"train": {"params": state}}) == saved:
+        if _structure(state) == saved:
             return cfg, graphdef, state
     raise ConfigError(f"checkpoint {where} holds params that match neither the model config "
                       "it recorded nor model.checkpoint's config.json; export it with the "
@@ -123,22 +126,48 @@ def load_run_params(run_dir: str | Path, step: int | None = None, *,
         except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
             raise _unreadable(Path(where), e, fix) from e
         model, graphdef, abstract = _model_config(run, meta, where)
-        if mesh is None:
-            host = jax.sharding.SingleDeviceSharding(_host_device())
-            shardings = jax.tree.map(lambda _: host, abstract)
-        else:
-            shardings = state_shardings(abstract, mesh)
-        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              abstract, shardings)
-        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings)
+        lora = _lora_spec(meta)
+        item = {"params": abstract}
+        if lora is not None:  # the base and the adapters, merged below
+            from tiderl.models.policy import abstract_lora
+
+            item = {"params": abstract_lora(model, lora), "base": abstract}
+
+        def target(tree: Any) -> tuple[Any, Any]:
+            if mesh is None:
+                host = jax.sharding.SingleDeviceSharding(_host_device())
+                shardings = jax.tree.map(lambda _: host, tree)
+            else:
+                shardings = state_shardings(tree, mesh)
+            return (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 tree, shardings),
+                    jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings))
+
+        t = {k: target(v) for k, v in item.items()}
+        tree = {"train": {"params": t["params"][0]}}
+        args = {"train": {"params": t["params"][1]}}
+        if lora is not None:
+            tree["base"], args["base"] = t["base"]
         try:
             out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={"train": {"params": target}},
-                restore_args={"train": {"params": restore_args}},
-                partial_restore=True)))["state"]
+                item=tree, restore_args=args, partial_restore=True)))["state"]
         except Exception as e:  # noqa: BLE001 - whatever orbax raises, named in one line
             raise _unreadable(Path(where), e, fix) from e
     finally:
         mgr.close()
-    return RunParams(run=run, model=model, graphdef=graphdef, params=out["train"]["params"],
-                     step=step)
+    params = out["train"]["params"]
+    if lora is not None:
+        from tiderl.models.lora import merge_lora
+
+        params = merge_lora(out["base"], params, lora.scale)
+    return RunParams(run=run, model=model, graphdef=graphdef, params=params, step=step)
+
+
+def _lora_spec(meta: dict) -> Any:
+    """The LoRA a checkpoint's meta records (`models.lora.LoraSpec`), or None."""
+    rec = meta.get("lora")
+    if not rec:
+        return None
+    from tiderl.models.lora import LoraSpec
+
+    return LoraSpec(int(rec["rank"]), float(rec["alpha"]), tuple(rec["targets"]))

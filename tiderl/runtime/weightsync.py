@@ -87,6 +87,9 @@ class SyncStats:
     local_s: float = 0.0
     cross_bytes: int = 0
     cross_s: float = 0.0
+    full_bytes: int = 0
+    """What whole serving weights for the same ranks would be (LoRA moves adapters only;
+    set by `tiderl.runtime.parts.WeightPlacer`; 0: not known)."""
 
     def add(self, other: SyncStats) -> None:
         for f in dataclasses.fields(self):
@@ -94,6 +97,8 @@ class SyncStats:
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"sync_bytes": float(self.local_bytes + self.cross_bytes)}
+        if self.full_bytes:
+            out["sync_full_bytes"] = float(self.full_bytes)
         if self.local_bytes:
             out["sync_local_gbps"] = self.local_bytes / max(self.local_s, 1e-9) / 1e9
         if self.cross_bytes:

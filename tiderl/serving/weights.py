@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
+from tiderl.models.policy import LoraExport
 
 __all__ = ["serving_weights"]
 
@@ -25,7 +26,10 @@ __all__ = ["serving_weights"]
 def serving_weights(params: Any, cfg: ModelConfig) -> Any:
     """`params` with the built-in decoder's matrices in `cfg.compute_dtype` when that is
     narrower than `cfg.param_dtype` (a new tree on the same devices); otherwise, or for a
-    custom policy, `params` itself."""
+    custom policy, `params` itself. A LoRA trainer's export (`policy.LoraExport`) gives its
+    merged serving weights."""
+    if isinstance(params, LoraExport):
+        return params.full()
     cd = DTYPES[cfg.compute_dtype]
     if cfg.policy != "decoder" or (jnp.dtype(cd).itemsize
                                    >= jnp.dtype(DTYPES[cfg.param_dtype]).itemsize):

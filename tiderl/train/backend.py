@@ -55,7 +55,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tiderl.models.config import ModelConfig
-from tiderl.models.policy import abstract_policy, init_policy, serving_config, serving_params
+from tiderl.models.lora import LoraSpec
+from tiderl.models.policy import (
+    LoraExport,
+    abstract_policy,
+    init_policy,
+    lora_policy,
+    serving_adapters,
+    serving_config,
+    serving_params,
+)
 from tiderl.models.sharding import state_shardings
 from tiderl.train import ra2p
 from tiderl.train.config import TrainerConfig
@@ -110,6 +119,17 @@ def _serving_fn(model_cfg: ModelConfig) -> Any:
     return jax.jit(functools.partial(serving_params, cfg=model_cfg))
 
 
+@functools.lru_cache(maxsize=8)
+def _serving_adapters_fn(model_cfg: ModelConfig, spec: LoraSpec) -> Any:
+    return jax.jit(functools.partial(serving_adapters, cfg=model_cfg, spec=spec))
+
+
+def lora_spec(cfg: TrainerConfig) -> LoraSpec | None:
+    """The adapters `trainer.lora_*` ask for, or None (full fine-tuning)."""
+    return (LoraSpec(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_targets))
+            if cfg.lora_rank else None)
+
+
 def _memory(tree: Any, kind: str) -> Any:
     return jax.tree.map(lambda s: s.with_memory_kind(kind), tree)
 
@@ -143,13 +163,30 @@ class TrainerBackend:
         # The graphdef of export_weights()' params: what the engines are built with.
         self.serving_graphdef = (abstract_policy(serving_config(model_cfg))[0]
                                  if model_cfg.scan_layers else self.graphdef)
-        self._abstract = jax.eval_shape(lambda: params)
         self.serving_abstract = (jax.eval_shape(_serving_fn(model_cfg), params)
-                                 if model_cfg.scan_layers else self._abstract)
+                                 if model_cfg.scan_layers else jax.eval_shape(lambda: params))
+        # LoRA: the trainable params are the adapters, `frozen` the base (the policy's params);
+        # the Ref is the plain decoder on the base (`ref_graphdef`).
+        self.lora, self.ref_graphdef, frozen = lora_spec(cfg), self.graphdef, None
+        if self.lora is not None:
+            if ref_params is not None:
+                raise ValueError("trainer.lora_rank > 0: the Ref is the frozen base; pass no "
+                                 "ref_params")
+            self.graphdef, adapters, _ = lora_policy(model_cfg, self.lora, seed=seed,
+                                                     mesh=actor_mesh)
+            frozen, params = params, adapters
+        self._abstract = jax.eval_shape(lambda: params)
+        self._frozen_abstract = None if frozen is None else jax.eval_shape(lambda: frozen)
         self._bind(ref_mesh)
+        self.frozen = None if frozen is None else jax.device_put(frozen, self.sh.frozen)
         # No KL term, no Ref forward: no Ref copy of the weights either (+1× params otherwise).
-        self.ref_params = (jax.device_put(_copy(params if ref_params is None else ref_params),
-                                          self.ref_param_sh) if self.uses_ref else None)
+        # LoRA: the Ref reads the frozen base itself; a copy only on a Ref mesh of its own.
+        if self.frozen is not None:
+            self.ref_params = self._ref_copy()
+        else:
+            self.ref_params = (jax.device_put(_copy(params if ref_params is None
+                                                    else ref_params), self.ref_param_sh)
+                               if self.uses_ref else None)
         self.state = init_train_state(jax.device_put(_copy(params), self.sh.params), self.tx,
                                       self.sh)
         self.version = 0
@@ -163,6 +200,13 @@ class TrainerBackend:
         self._last_role: Role | None = None
         self._clock = PhaseClock()
 
+    def _ref_copy(self) -> Any:
+        """LoRA: the Ref's params (the base) on a Ref mesh of its own, else None (the Ref
+        forward reads `frozen`, no copy)."""
+        if not self.uses_ref or self.mode == "colocated":
+            return None
+        return jax.device_put(_copy(self.frozen), self.ref_param_sh)
+
     def _bind(self, ref_mesh: Mesh | None) -> bool:
         """Kernels for the current Actor mesh and `ref_mesh`; True when they were cached."""
         self.ref_mesh = actor_mesh = self.actor_mesh
@@ -172,19 +216,21 @@ class TrainerBackend:
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
                self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk,
-               self.cfg.remat_group)
+               self.cfg.remat_group, self.lora)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
             # modes of the same job (VS/VSO/CM, tests) share the compilation.
             tx = make_optimizer(self.cfg)
-            sh = train_shardings(self._abstract, tx, actor_mesh)
-            ref_sh = state_shardings(self._abstract, self.ref_mesh)
+            sh = train_shardings(self._abstract, tx, actor_mesh, self._frozen_abstract)
+            ref_sh = state_shardings(self._abstract if self._frozen_abstract is None
+                                     else self._frozen_abstract, self.ref_mesh)
             return (tx, sh, ref_sh, make_kernels(
                 self.graphdef, tx, self.spec, self.temperature, sh, ref_mesh=self.ref_mesh,
                 ref_param_shardings=ref_sh, head_chunk=self.cfg.head_chunk,
                 remat=self.cfg.remat, token_chunk=self.cfg.token_chunk,
-                remat_group=self.cfg.remat_group))
+                remat_group=self.cfg.remat_group,
+                ref_graphdef=None if self.lora is None else self.ref_graphdef))
 
         cached = key in _KERNELS
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
@@ -197,7 +243,7 @@ class TrainerBackend:
         if "bytes_limit" not in stats:
             return False  # CPU: host memory is the device memory
         per_device = sum(x.addressable_shards[0].data.nbytes
-                         for x in jax.tree.leaves((self.state, self.ref_params)))
+                         for x in jax.tree.leaves((self.state, self.ref_params, self.frozen)))
         return per_device > self.cfg.offload_fraction * stats["bytes_limit"]
 
     def set_ref_mesh(self, ref_mesh: Mesh | None) -> None:
@@ -227,15 +273,21 @@ class TrainerBackend:
             self.actor_mesh = actor_mesh
             cached = self._bind(ref_mesh)
             state = self._move_tree(self.state, self.sh.state)
-            ref_params = (None if self.ref_params is None  # kl_coef=0: no Ref copy
-                          else self._move_tree(self.ref_params, self.ref_param_sh))
-            jax.block_until_ready((state, ref_params))
+            frozen = (None if self.frozen is None
+                      else self._move_tree(self.frozen, self.sh.frozen))
+            if self.frozen is not None:  # LoRA: the Ref is the base (a copy on its own mesh)
+                ref_params = (None if not self.uses_ref or self.mode == "colocated"
+                              else self._move_tree(frozen, self.ref_param_sh))
+            else:
+                ref_params = (None if self.ref_params is None  # kl_coef=0: no Ref copy
+                              else self._move_tree(self.ref_params, self.ref_param_sh))
+            jax.block_until_ready((state, ref_params, frozen))
         except BaseException:
             # All or nothing: the state never left its old meshes, so keep their kernels.
             (self.actor_mesh, self.ref_mesh, self.mode, self.tx, self.sh, self.ref_param_sh,
              self.k) = old
             raise
-        self.state, self.ref_params = state, ref_params
+        self.state, self.ref_params, self.frozen = state, ref_params, frozen
         self._last_role = None
         self.offload = self._decide_offload()
         self._reset_step()
@@ -264,12 +316,14 @@ class TrainerBackend:
         if not self.uses_ref:
             return jnp.zeros_like(batch["loss_mask_bt"])
         self._ensure("ref")
-        return self.k.ref_forward(self.ref_params, batch)
+        # LoRA colocated: the Ref is the frozen base itself (no copy).
+        ref = self.ref_params if self.ref_params is not None else self.frozen
+        return self.k.ref_forward(ref, batch)
 
     def actor_forward(self, batch: dict) -> tuple[tuple[jax.Array, jax.Array], Any]:
         """((logprobs, entropies), vjp): the loss waits for the Ref logprobs (deferred)."""
         self._ensure("actor")
-        return self.k.actor_forward(self.state["params"], batch)
+        return self.k.actor_forward(self.state["params"], batch, self.frozen)
 
     def actor_backward(self, vjp: Any, outs: tuple[jax.Array, jax.Array], ref_logprobs: jax.Array,
                        batch: dict, mb: MicroBatch) -> dict:
@@ -324,15 +378,27 @@ class TrainerBackend:
     def logprobs(self, mb: MicroBatch) -> np.ndarray:
         """The current policy's per-token logprobs of `mb` on the host (evals, on-policy tests)."""
         self._ensure("actor")
-        return np.asarray(self.k.logprobs(self.state["params"], self.put(mb, "actor")))
+        return np.asarray(self.k.logprobs(self.state["params"], self.put(mb, "actor"),
+                                          self.frozen))
 
     def export_weights(self, shardings: Any = None) -> nnx.State:
         """The rollout engines' weights (`serving_graphdef`'s layout; optionally resharded for
         the rollout mesh): fresh buffers of the Actor params, per layer and, under bf16
-        compute, with the decoder's matrices in bf16 (`models.policy.serving_params`)."""
+        compute, with the decoder's matrices in bf16 (`models.policy.serving_params`). LoRA:
+        the merged weights W + scale·A·B."""
         self._ensure("actor")
-        params = _serving_fn(self.model_cfg)(self.state["params"])
+        if self.lora is not None:
+            params = self.export_lora().full()
+        else:
+            params = _serving_fn(self.model_cfg)(self.state["params"])
         return params if shardings is None else jax.device_put(params, shardings)
+
+    def export_lora(self) -> LoraExport:
+        """LoRA: the adapters in the engines' layout (fresh copies) with the frozen base they
+        apply to; a sync moves the adapters alone (`tiderl.runtime.parts`)."""
+        self._ensure("actor")
+        adapters = _serving_adapters_fn(self.model_cfg, self.lora)(self.state["params"])
+        return LoraExport(adapters, self.frozen, self.lora.scale, self.model_cfg)
 
     # ------------------------------------------------------------------ step-level executor
     def submit(self, mb: MicroBatch) -> None:
@@ -368,9 +434,11 @@ class TrainerBackend:
         self._q.put(("call", (fn, fut), time.perf_counter()))
         return fut
 
-    async def export_weights_async(self) -> nnx.State:
-        """`export_weights()` on the worker thread, awaited without blocking the event loop."""
-        return await asyncio.wrap_future(self.call(self.export_weights))
+    async def export_weights_async(self) -> nnx.State | LoraExport:
+        """`export_weights()` on the worker thread, awaited without blocking the event loop;
+        under LoRA `export_lora()` (the syncs move adapters; `serving_weights` merges)."""
+        return await asyncio.wrap_future(self.call(
+            self.export_weights if self.lora is None else self.export_lora))
 
     def close(self) -> None:
         if self._thread is not None:
@@ -395,7 +463,7 @@ class TrainerBackend:
                 self._grads = self.k.zeros_like_grads(self.state["params"])
             self._grads, m = self.k.fused_accumulate(
                 self.state["params"], self.put(mb, "actor"), jax.device_put(ref, self.sh.tokens),
-                jnp.int32(self.version), self._grads)
+                jnp.int32(self.version), self._grads, self.frozen)
             metrics.append(m)
             self._n_tokens += mb.n_action_tokens
             self._n_seqs += seqs_with_actions(mb)

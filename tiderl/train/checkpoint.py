@@ -10,6 +10,9 @@ write killed midway leaves only a `*.orbax-checkpoint-tmp-*` directory, which `l
 ignores: resume picks the newest complete checkpoint. The model config and the train-state
 structure are stored beside the arrays; resuming with a different one is a `ConfigError`, and so
 is a checkpoint orbax cannot read (corrupt or missing files): the message names the step folder.
+With LoRA (`trainer.lora_rank`) the train state is the adapters' and the frozen base is saved
+beside it as `base` (no `ref`: the Ref is the base), so a checkpoint exports on its own; the
+LoRA settings are recorded and must match at resume.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ log = logging.getLogger(__name__)
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         tree)
+
+
+def _lora_record(backend) -> dict | None:
+    """The LoRA a backend trains ({rank, alpha, targets}), None for full fine-tuning."""
+    spec = getattr(backend, "lora", None)
+    return None if spec is None else {"rank": spec.rank, "alpha": spec.alpha,
+                                      "targets": list(spec.targets)}
 
 
 def _structure(tree: Any) -> list[str]:
@@ -64,6 +74,10 @@ class Checkpointer:
         # Offloaded models come back to device memory first (the shardings saved are those).
         backend.swap("actor", "device")
         backend.swap("ref", "device")
+        if getattr(backend, "frozen", None) is not None:
+            # LoRA: the adapters' train state and the frozen base (which is also the Ref: a
+            # Ref copy on a mesh of its own is made again from it at restore).
+            return {"train": backend.state, "base": backend.frozen}
         if backend.ref_params is None:  # no KL term: the backend keeps no Ref copy
             return {"train": backend.state}
         return {"train": backend.state, "ref": backend.ref_params}
@@ -78,7 +92,8 @@ class Checkpointer:
             raise TypeError(f"data_state is not JSON-serialisable ({e}); pass the iterator's "
                             "plain-data state (e.g. grain's get_state() decoded)") from e
         meta = {"step": step, "version": backend.version, "data_state": data_state,
-                "model": to_dict(backend.model_cfg), "structure": _structure(tree)}
+                "model": to_dict(backend.model_cfg), "structure": _structure(tree),
+                "lora": _lora_record(backend)}
         self.mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                     meta=ocp.args.JsonSave(meta)))
         if wait:
@@ -126,6 +141,12 @@ class Checkpointer:
                 + ", ".join(f"model.{k}={meta['model'].get(k)!r} (now {want.get(k)!r})"
                             for k in diff)
                 + "; resume with the checkpoint's model config or use a new run_dir")
+        if meta.get("lora") != _lora_record(backend):
+            raise ConfigError(
+                f"checkpoint {self.directory}/{step} was written with LoRA "
+                f"{meta.get('lora')} (trainer.lora_rank/lora_alpha/lora_targets), this run has "
+                f"{_lora_record(backend)}; resume with the checkpoint's trainer.lora_* or use a "
+                "new run_dir")
         tree = self._tree(backend)
         saved = meta["structure"]
         if "ref" not in tree:  # a Ref saved by a run with a KL term is not needed here
@@ -147,6 +168,9 @@ class Checkpointer:
         backend.state = out["train"]
         if "ref" in tree:
             backend.ref_params = out["ref"]
+        if "base" in tree:
+            backend.frozen = out["base"]
+            backend.ref_params = backend._ref_copy()
         backend.version = int(meta["version"])
         log.info("resumed from %s/%d (version %d)", self.directory, step, backend.version)
         return step, meta["data_state"]

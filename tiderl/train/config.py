@@ -15,6 +15,10 @@ from tiderl.configlib import ConfigError
 KL_LOSSES = ("k3_reverse", "k2", "k3_forward")
 """trainer.kl_loss's values (grpo.py `kl_loss_term`); k1 is a metric only (its gradient is 0)."""
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""trainer.lora_targets' names (PEFT's), each a projection of the built-in decoder
+(models/lora.py `TARGETS`)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -142,7 +146,40 @@ class TrainerConfig:
     sync_timings: bool = False
     """Block after every phase so per-phase times are exact (serialises the decoupled pipeline)."""
 
+    # --- LoRA (models/lora.py) ---
+    lora_rank: int = 0
+    """Rank of LoRA adapters on the built-in decoder's `lora_targets` (0: full fine-tuning).
+    Only the adapters get gradients and optimizer moments; the base is frozen and is also the
+    Ref (no copy of it when colocated); engines serve merged weights and a weight sync moves
+    the adapters alone (`sync_bytes` in metrics.jsonl)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (lora_alpha / lora_rank)·A·B (PEFT's lora_alpha)."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Projections that get adapters, by PEFT's names: q_proj, k_proj, v_proj, o_proj
+    (attention), gate_proj, up_proj, down_proj (MLP). Default: all of them."""
+
+    def _check_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"config key 'trainer.lora_rank'={self.lora_rank} must be >= 0 "
+                              "(0: full fine-tuning; e.g. 8-64 for LoRA)")
+        if self.lora_rank and self.lora_alpha <= 0:
+            raise ConfigError(f"config key 'trainer.lora_alpha'={self.lora_alpha} must be "
+                              "positive (e.g. 2 × trainer.lora_rank)")
+        known = LORA_TARGETS
+        if self.lora_rank and not self.lora_targets:
+            raise ConfigError("config key 'trainer.lora_targets' is empty; name some of "
+                              f"{', '.join(known)} (or set trainer.lora_rank=0)")
+        for t in self.lora_targets:
+            if t not in known:
+                raise ConfigError(f"config key 'trainer.lora_targets' names {t!r}, which "
+                                  f"matches no module of the built-in decoder; use some of "
+                                  f"{', '.join(known)}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ConfigError(f"config key 'trainer.lora_targets'={list(self.lora_targets)} "
+                              "names a module twice; list each once")
+
     def __post_init__(self):
+        self._check_lora()
         if self.actor_devices <= 0:
             raise ConfigError("config key 'trainer.actor_devices' must be positive")
         if self.ref_devices < 0:

@@ -4,9 +4,9 @@ Everything here is a factory closing over static things (graphdef, temperature, 
 optimizer, shardings) and returning module-level-style jitted pure functions of pytrees:
 
 - `ref_forward(ref_params, batch) -> ref_logprobs_bt`
-- `actor_forward(params, batch) -> ((logprobs_bt, entropy_bt), vjp)`: the `jax.vjp` object is
-  a pytree (residuals + a static jaxpr), so it leaves the jit and waits for the Ref logprobs.
-  Its cotangent is a (logprobs, entropies) pair too (see grpo.py: the exact entropy bonus).
+- `actor_forward(params, batch, frozen=None) -> ((logprobs_bt, entropy_bt), vjp)`: the
+  `jax.vjp` object is a pytree (residuals + a static jaxpr), so it leaves the jit and waits
+  for the Ref logprobs. Its cotangent is a (logprobs, entropies) pair too (see grpo.py: the exact entropy bonus).
   The vjp (a `DeferredVjp`) refers to the params it was taken at instead of holding a copy.
 - `backward(vjp, outs, ref_logprobs_bt, batch, version, grads_acc) -> (grads_acc, metrics)`:
   cotangent from grpo.cotangent, `vjp(cotangent)`, accumulated into the donated sum (None for
@@ -19,6 +19,11 @@ optimizer, shardings) and returning module-level-style jitted pure functions of 
 
 The train state is `{"params", "opt", "step"}`; its shardings (optimizer moments included) are
 computed once from the abstract state and pinned as in/out shardings.
+
+With LoRA (`trainer.lora_rank` > 0) `params` are the adapters alone (`nnx.LoRAParam`: the only
+leaves with gradients and optimizer moments) and `frozen` is the base (pinned shardings of its
+own, never updated); the policy is `nnx.merge(graphdef, params, frozen)`. The Ref is the base
+without adapters (`ref_graphdef`, the plain decoder's). Full fine-tuning passes `frozen=None`.
 """
 
 from __future__ import annotations
@@ -107,14 +112,19 @@ def _check_temperature(temperature: float) -> None:
                          "rollouts (rollout.temperature=0) cannot be trained with GRPO")
 
 
+def _merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) -> Any:
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
 def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool,
              token_chunk: int = 0, remat_group: int = 1):
     """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
     head when `head_chunk` > 0, `remat` or `token_chunk` > 0 asks for it and the policy
     has them (the built-in Decoder), else through its logits (custom policies)."""
 
-    def forward(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(graphdef, params)
+    def forward(params: nnx.State, batch: dict,
+                frozen: nnx.State | None = None) -> tuple[jax.Array, jax.Array]:
+        model = _merge(graphdef, params, frozen)
         tokens = batch["tokens_bt"]
         has_hidden = hasattr(model, "hidden_states") and hasattr(model, "head_vd")
         if remat and not has_hidden:
@@ -144,14 +154,15 @@ def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int
     `token_chunk` > 0 attends that many queries at a time (built-in decoder)."""
     _check_temperature(temperature)
     if head_chunk <= 0 and token_chunk <= 0:
-        def logprobs(params: nnx.State, batch: dict) -> jax.Array:
-            model = nnx.merge(graphdef, params)
+        def logprobs(params: nnx.State, batch: dict, frozen: nnx.State | None = None
+                     ) -> jax.Array:
+            model = _merge(graphdef, params, frozen)
             logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
             return token_logprobs(logits, batch["tokens_bt"], temperature)
 
         return logprobs
     forward = _forward(graphdef, temperature, head_chunk, False, token_chunk)
-    return lambda params, batch: forward(params, batch)[0]
+    return lambda params, batch, frozen=None: forward(params, batch, frozen)[0]
 
 
 def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool = True, *,
@@ -169,8 +180,9 @@ def make_outputs(graphdef: nnx.GraphDef, temperature: float, entropy_grad: bool 
     _check_temperature(temperature)
     forward = _forward(graphdef, temperature, head_chunk, remat, token_chunk, remat_group)
 
-    def outputs(params: nnx.State, batch: dict) -> tuple[jax.Array, jax.Array]:
-        logp, ent = forward(params, batch)
+    def outputs(params: nnx.State, batch: dict,
+                frozen: nnx.State | None = None) -> tuple[jax.Array, jax.Array]:
+        logp, ent = forward(params, batch, frozen)
         return logp, ent if entropy_grad else jax.lax.stop_gradient(ent)
 
     return outputs
@@ -184,15 +196,18 @@ class TrainShardings:
     params: Any
     batch: NamedSharding
     tokens: NamedSharding
+    frozen: Any = None
+    """The frozen base's shardings under LoRA (None: full fine-tuning)."""
 
 
 def train_shardings(abstract_params: Any, tx: optax.GradientTransformation,
-                    mesh: Mesh) -> TrainShardings:
+                    mesh: Mesh, abstract_frozen: Any = None) -> TrainShardings:
     params = state_shardings(abstract_params, mesh)
     opt = optimizer_shardings(tx, abstract_params, params, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
+    frozen = None if abstract_frozen is None else state_shardings(abstract_frozen, mesh)
     return TrainShardings({"params": params, "opt": opt, "step": replicated}, params,
-                          batch_sharding(mesh), batch_sharding(mesh))
+                          batch_sharding(mesh), batch_sharding(mesh), frozen)
 
 
 def init_train_state(params: nnx.State, tx: optax.GradientTransformation,
@@ -277,13 +292,14 @@ class _Traces(dict):
 
 
 def _forward_kernels(logprobs: Any, outputs: Any, sh: TrainShardings, traces: _Traces,
-                     ref_mesh: Mesh | None, ref_param_shardings: Any) -> tuple[Any, Any, Any]:
+                     ref_mesh: Mesh | None, ref_param_shardings: Any,
+                     ref_logprobs: Any) -> tuple[Any, Any, Any]:
     """(ref_forward, logprobs, actor_forward): the Ref and policy logprobs, and the Actor
     forward returning its `DeferredVjp`."""
 
     def ref_fwd(ref_params, batch):
         traces.count("ref_forward")
-        return logprobs(ref_params, batch)
+        return ref_logprobs(ref_params, batch)
 
     ref_tokens = batch_sharding(ref_mesh) if ref_mesh is not None else sh.tokens
     ref_forward = jax.jit(
@@ -291,23 +307,28 @@ def _forward_kernels(logprobs: Any, outputs: Any, sh: TrainShardings, traces: _T
                                else sh.params, ref_tokens),
         out_shardings=ref_tokens)
 
-    def policy_logprobs(params, batch):
+    def policy_logprobs(params, batch, frozen):
         traces.count("logprobs")
-        return logprobs(params, batch)
+        return logprobs(params, batch, frozen)
 
-    policy_lp = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch),
-                        out_shardings=sh.tokens)
+    policy_lp_jit = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch, sh.frozen),
+                            out_shardings=sh.tokens)
 
-    def actor_fwd(params, batch):
+    def policy_lp(params, batch, frozen=None):
+        return policy_lp_jit(params, batch, frozen)
+
+    def actor_fwd(params, batch, frozen):
         traces.count("actor_forward")
-        outs, vjp = jax.vjp(lambda p: outputs(p, batch), params)
-        return outs, DeferredVjp.strip(vjp, params)
+        # Gradients w.r.t. `params` only (the adapters under LoRA); the frozen base's arrays
+        # are residuals like the params', so the vjp refers to them in place too.
+        outs, vjp = jax.vjp(lambda p: outputs(p, batch, frozen), params)
+        return outs, DeferredVjp.strip(vjp, (params, frozen))
 
-    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch))
+    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch, sh.frozen))
 
-    def actor_forward(params, batch):
-        outs, vjp = actor_forward_jit(params, batch)
-        return outs, vjp.with_params(params)
+    def actor_forward(params, batch, frozen=None):
+        outs, vjp = actor_forward_jit(params, batch, frozen)
+        return outs, vjp.with_params((params, frozen))
 
     return ref_forward, policy_lp, actor_forward
 
@@ -368,25 +389,25 @@ def _fused_kernels(outputs: Any, spec: LossSpec, sh: TrainShardings,
                    traces: _Traces) -> tuple[Any, Any]:
     """(fused_grads, fused_accumulate): the reference paths, `jax.grad` of the fused loss."""
 
-    def fused(params, batches, refs, version):
+    def fused(params, batches, refs, version, frozen=None):
         """The reference path: one `jax.grad` through the whole loss, summed over batches."""
         traces.count("fused")
 
         def total(p):
             out = 0.0
             for b, r in zip(batches, refs, strict=True):
-                out = out + loss_sum(outputs(p, b), r, b, version, spec)[0]
+                out = out + loss_sum(outputs(p, b, frozen), r, b, version, spec)[0]
             return out
 
         return jax.grad(total)(params)
 
     fused_grads = jax.jit(fused, out_shardings=sh.params)
 
-    def fused_acc(params, batch, ref, version, acc):
+    def fused_acc(params, batch, ref, version, acc, frozen=None):
         """The plain streaming step per micro-batch: `jax.grad` of the fused loss, accumulated."""
         traces.count("fused_accumulate")
-        g, metrics = jax.grad(lambda p: loss_sum(outputs(p, batch), ref, batch, version, spec),
-                              has_aux=True)(params)
+        g, metrics = jax.grad(lambda p: loss_sum(outputs(p, batch, frozen), ref, batch, version,
+                                                 spec), has_aux=True)(params)
         return jax.tree.map(jnp.add, acc, g), metrics
 
     fused_accumulate = jax.jit(fused_acc, donate_argnums=(4,), out_shardings=(sh.params, None))
@@ -397,19 +418,23 @@ def make_kernels(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, spec:
                  temperature: float, sh: TrainShardings,
                  ref_mesh: Mesh | None = None, ref_param_shardings: Any = None, *,
                  head_chunk: int = 0, remat: bool = False, token_chunk: int = 0,
-                 remat_group: int = 1) -> Kernels:
+                 remat_group: int = 1, ref_graphdef: nnx.GraphDef | None = None) -> Kernels:
     """Builds all jitted step functions for the Actor mesh (and the Ref's, when separate).
 
     `head_chunk`/`remat`/`token_chunk`/`remat_group`: the trainer keys of those names
-    (`make_outputs`)."""
+    (`make_outputs`). `ref_graphdef`: the Ref's model when it differs from the Actor's (LoRA:
+    the plain decoder, run on the base params)."""
     logprobs = make_logprobs(graphdef, temperature, head_chunk=head_chunk,
                              token_chunk=token_chunk)
+    ref_logprobs = logprobs if ref_graphdef is None else make_logprobs(
+        ref_graphdef, temperature, head_chunk=head_chunk, token_chunk=token_chunk)
     outputs = make_outputs(graphdef, temperature, entropy_grad=bool(spec.entropy_coef),
                            head_chunk=head_chunk, remat=remat, token_chunk=token_chunk,
                            remat_group=remat_group)
     traces = _Traces()
     ref_forward, policy_lp, actor_forward = _forward_kernels(logprobs, outputs, sh, traces,
-                                                             ref_mesh, ref_param_shardings)
+                                                             ref_mesh, ref_param_shardings,
+                                                             ref_logprobs)
     backward, actor_backward = _backward_kernels(spec, sh, traces)
     scale_grads, apply, skip, zeros_like_grads = _update_kernels(tx, sh, traces)
     fused_grads, fused_accumulate = _fused_kernels(outputs, spec, sh, traces)

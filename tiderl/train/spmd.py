@@ -80,6 +80,13 @@ class SpmdTrainer(TrainerBackend):
         """Role map → the `SyncPlan` for its rollout ranks (set by the site)."""
         self.on_joined: Callable[[dict, int], None] | None = None
         """Follower side: hands the first weights of ranks joining rollout to the host agent."""
+        cfg = args[0] if args else kw["cfg"]
+        if cfg.lora_rank:
+            from tiderl.configlib import ConfigError
+
+            raise ConfigError(f"config key 'trainer.lora_rank'={cfg.lora_rank}: LoRA runs on "
+                              "one process for now (its sync moves adapters in-process); set "
+                              "trainer.lora_rank=0 or run on one process")
         super().__init__(*args, **kw)
 
     def _decide_offload(self) -> bool:
