@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -78,7 +80,7 @@ def smollm2_file() -> Path:
     return path
 
 
-def memory_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     """Bytes/s of a large numpy copy (read + write counted), best of `repeats`."""
     src = np.ones(mib << 18, np.float32)
     dst = np.empty_like(src)
@@ -200,74 +202,87 @@ def bench_prefill(args, eng, hf, context):
 # ---- one train step ------------------------------------------------------------------------
 
 
-def train_batch(args, vocab):
+def train_batches(args, vocab):
+    """`--train-rows` sequences of `--train-len` tokens (actions: the second half of each), one
+    per row, in micro-batches of `--rows-per-microbatch` rows."""
     trajs = synthetic_trajectories(args.train_rows, vocab=vocab, min_len=args.train_len,
                                    max_len=args.train_len, seed=3)
     mbs, rest = microbatches(trajs, n_ranks=1, row_len=args.train_len,
-                             rows_per_rank=args.train_rows, order="colocated")
-    assert len(mbs) == 1 and not rest and mbs[0].tokens_bt.shape == (args.train_rows,
-                                                                     args.train_len)
-    return mbs[0]
+                             rows_per_rank=args.rows_per_microbatch, order="colocated")
+    assert not rest and sum(mb.tokens_bt.shape[0] for mb in mbs) == args.train_rows
+    assert all(mb.tokens_bt.shape[1] == args.train_len for mb in mbs)
+    return mbs
 
 
-def torch_step_fn(hf, mb, cfg: TrainerConfig, temperature: float):
-    """The trainer's step in PyTorch: the same loss (clipped surrogate, token mean; entropies
-    computed as a metric), global-norm clipping and AdamW with the trainer's settings."""
+def torch_step_fn(hf, mbs, cfg: TrainerConfig, temperature: float):
+    """The trainer's step in PyTorch: the same loss (clipped surrogate, token mean over the
+    step; entropies computed as a metric), gradients accumulated over the micro-batches, then
+    global-norm clipping and AdamW with the trainer's settings."""
     params = [p for p in hf.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_b1, cfg.adam_b2),
                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    tokens = torch.as_tensor(mb.tokens_bt, dtype=torch.long)
-    positions = torch.as_tensor(mb.positions_bt, dtype=torch.long)
-    mask = torch.as_tensor(mb.loss_mask_bt[:, 1:], dtype=torch.float32)
-    behav = torch.as_tensor(mb.behaviour_logprobs_bt[:, 1:])
-    adv = torch.as_tensor(mb.advantages_bt[:, 1:])
+    n_action = float(sum(mb.loss_mask_bt[:, 1:].sum() for mb in mbs))
+    arrays = [(torch.as_tensor(mb.tokens_bt, dtype=torch.long),
+               torch.as_tensor(mb.positions_bt, dtype=torch.long),
+               torch.as_tensor(mb.loss_mask_bt[:, 1:], dtype=torch.float32),
+               torch.as_tensor(mb.behaviour_logprobs_bt[:, 1:]),
+               torch.as_tensor(mb.advantages_bt[:, 1:])) for mb in mbs]
 
     def step():
         hf.train()
         opt.zero_grad(set_to_none=True)
-        logits = hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
-        logp_btv = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-        logp = logp_btv.gather(-1, tokens[:, 1:, None])[..., 0]
-        with torch.no_grad():
-            entropy = -(logp_btv.exp() * logp_btv).sum(-1)
-        ratio = torch.exp(torch.where(mask > 0, logp - behav, 0.0))
-        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-        pg = -torch.minimum(ratio * adv, clipped * adv)
-        loss = (pg * mask).sum() / mask.sum()
-        loss.backward()
+        total = 0.0
+        for tokens, positions, mask, behav, adv in arrays:
+            logits = hf(input_ids=tokens, position_ids=positions, use_cache=False).logits
+            logp_btv = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+            del logits
+            logp = logp_btv.gather(-1, tokens[:, 1:, None])[..., 0]
+            with torch.no_grad():
+                entropy = -(logp_btv.exp() * logp_btv).sum(-1)
+            ratio = torch.exp(torch.where(mask > 0, logp - behav, 0.0))
+            clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+            pg = -torch.minimum(ratio * adv, clipped * adv)
+            loss = (pg * mask).sum() / n_action
+            loss.backward()
+            total += float(loss.detach())
+            del logp_btv, entropy
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        return float(loss.detach()), float((entropy * mask).sum() / mask.sum())
+        return total
 
     return step
 
 
-def bench_train(args, hf, graphdef, params, model_cfg):
-    cfg = TrainerConfig(kl_coef=0.0, row_len=args.train_len, rows_per_rank=args.train_rows,
-                        mode="colocated", offload="never", lr=1e-6)
-    mb = train_batch(args, model_cfg.vocab_size)
+def bench_train(args, hf, policy: list, model_cfg):
+    """`policy`: [(graphdef, params)], emptied here so the backend's copy is the only one."""
+    cfg = TrainerConfig(kl_coef=0.0, row_len=args.train_len,
+                        rows_per_rank=args.rows_per_microbatch, mode="colocated",
+                        offload="never", lr=1e-6)
+    mbs = train_batches(args, model_cfg.vocab_size)
     be = TrainerBackend(cfg, model_cfg, actor_mesh=make_mesh(jax.devices()[:1]),
-                        policy=(graphdef, params))
+                        policy=policy.pop())
+    gc.collect()
     torch.set_num_threads(max(args.torch_threads))
-    tstep = torch_step_fn(hf, mb, cfg, temperature=1.0)
+    tstep = torch_step_fn(hf, mbs, cfg, temperature=1.0)
     losses = {}
 
     def tiderl_run():
         t0 = time.perf_counter()
-        m = be.train_step([mb])  # returns after the update is applied (blocked on the state)
+        m = be.train_step(mbs)  # returns after the update is applied (blocked on the state)
         losses["tiderl"] = m["loss"]
         return time.perf_counter() - t0
 
     def torch_run():
         t0 = time.perf_counter()
-        losses["torch"] = tstep()[0]
+        losses["torch"] = tstep()
         return time.perf_counter() - t0
 
     times = rotated({"tiderl": tiderl_run, "torch": torch_run}, args.repeats)
     be.close()
     res = {f"{k}_step_s": statistics.median(v) for k, v in times.items()}
     res.update({f"{k}_loss_last": v for k, v in losses.items()})
-    res["tokens"] = int(mb.tokens_bt.size)
+    res["tokens"] = int(sum(mb.tokens_bt.size for mb in mbs))
+    res["microbatches"] = len(mbs)
     return res
 
 
@@ -281,6 +296,9 @@ def main():
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--train-rows", type=int, default=4)
     ap.add_argument("--train-len", type=int, default=512)
+    ap.add_argument("--rows-per-microbatch", type=int, default=1,
+                    help="trainer.rows_per_rank: the step's rows run in micro-batches of this "
+                         "many (gradients accumulated, one update), both sides alike")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, nargs="+",
                     default=sorted({1, os.cpu_count() or 1}))
@@ -322,7 +340,8 @@ def main():
         engines = {}
         for name, ctx in (("engine", fitted), (f"engine_ctx{args.wide_context}",
                                                args.wide_context)):
-            rc = RolloutConfig(page_size=16, num_pages=b_max * (-(-ctx // 16)) + 1,
+            # Both pools hold what the workload needs; max_context sets the page-table width.
+            rc = RolloutConfig(page_size=16, num_pages=b_max * (-(-fitted // 16)) + 1,
                                max_slots=b_max, max_context=ctx,
                                max_action_tokens=args.new_tokens, temperature=0.0,
                                decode_buckets=tuple(sorted(set(args.batches))),
@@ -360,6 +379,7 @@ def main():
                   f"{r['bandwidth_floor_s'] * 1e3:>9.1f} {r['engine_step_s'] * 1e3:>10.1f} "
                   f"{r[f'{wide}_step_s'] * 1e3:>11.1f} {r['hf_step_s'] * 1e3:>7.1f}", flush=True)
         res["greedy_equal"] = bool(equal)
+        del engines  # their KV pools
 
     if "prefill" not in args.skip:
         n = args.prefill_len
@@ -370,6 +390,7 @@ def main():
         eng.init_decode_state()
         context = np.random.default_rng(0).integers(1, mc.vocab_size, n).astype(np.int32)
         r = bench_prefill(args, eng, hf, context)
+        del eng
         res["prefill_over_hf"] = round(r["hf_s"] / r["engine_s"], 4)
         res["prefill"] = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
         print(f"\nprefill of {n} tokens: engine {r['engine_s'] * 1e3:.0f} ms, transformers "
@@ -377,16 +398,22 @@ def main():
               f"first token equal: {r['first_token_equal']}", flush=True)
 
     if "train" not in args.skip:
-        r = bench_train(args, hf, graphdef, params, mc)
+        policy = [(graphdef, params)]
+        del ours, params, graphdef
+        gc.collect()
+        r = bench_train(args, hf, policy, mc)
         res["train_step_over_torch"] = round(r["tiderl_step_s"] / r["torch_step_s"], 4)
         res["train"] = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
-        print(f"\ntrain step on {args.train_rows} x {args.train_len} tokens: tiderl "
+        print(f"\ntrain step on {args.train_rows} x {args.train_len} tokens "
+              f"({r['microbatches']} micro-batches): tiderl "
               f"{r['tiderl_step_s']:.2f} s, torch {r['torch_step_s']:.2f} s "
               f"({max(args.torch_threads)} threads), ratio {res['train_step_over_torch']:.2f}; "
               f"first-step loss tiderl {r['tiderl_loss_last']:.5f} torch "
               f"{r['torch_loss_last']:.5f}", flush=True)
 
-    print(f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: timings noisy)")
+    res["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: timings "
+          f"noisy); peak RSS {res['peak_rss_gb']} GB")
     print(json.dumps(res))
 
 
