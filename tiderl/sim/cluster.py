@@ -6,14 +6,36 @@ over a `RolloutManager` of `RolloutRank`s under the CTB (or request-level) sched
 `ReadinessBuffer`, the production micro-batch planner — but with `SimEngine`s, a `SimTrainer`
 and a `SimAgentEnv` priced by one `SimCostModel`, and runs it on a virtual-time loop.
 
-Every baseline is a configuration of the same code (the paper's §6 baselines):
+Every baseline is a configuration of the same code (the paper's §6 baselines), each modelling
+the documented behaviour of its system:
 
 | mode   | scheduler | trainer                                         | devices                        |
 | ------ | --------- | ----------------------------------------------- | ------------------------------ |
 | sync   | vanilla   | global batch, Ref colocated, aggregated         | all GPUs alternate (hybrid)    |
-| async  | vanilla   | global batch, Ref colocated, aggregated, offload | fixed rollout ratio           |
-| stream | vanilla   | streamed, Ref/Actor alternate per micro-batch, offload | fixed rollout ratio      |
+| async  | vanilla   | global batch, Ref colocated, aggregated         | fixed rollout ratio            |
+| stream | vanilla   | streamed, Ref/Actor alternate per micro-batch   | fixed rollout ratio            |
 | tiderl | CTB       | streamed, RA2P (aggregated colocated or decoupled) | fixed ratio until ERS plans |
+
+- **sync = VeRL's hybrid engine** (Sheng et al., "HybridFlow", EuroSys'25; VeRL's
+  `ActorRolloutRefWorker`): every GPU generates the whole global batch (the step waits for its
+  slowest trajectory), then switches to training — the vLLM engine sleeps (weights to host
+  memory, KV cache freed), the FSDP Actor and Ref train on all GPUs — and back: the new
+  weights are gathered from the FSDP shards into the engine (`SimCostModel.reshard`) and the
+  KV pool is re-allocated. Each switch costs what `tiderl.sim.memory.hybrid_switch_bytes`
+  says moves over PCIe.
+- **async = AReaL** (Fu et al., "AReaL", 2025): rollout and trainer on a fixed split of the
+  GPUs; generation never stops for training but runs at most `max_staleness` versions ahead of
+  the trainer (its staleness bound: rollout throttles, RWT); a weight update lands mid-rollout
+  and the interrupted trajectories continue under the new weights with their KV recomputed
+  (partial rollout, as APRIL); the trainer takes a full global batch, Ref then Actor over it.
+- **stream = StreamRL** (Zhong et al., "StreamRL", 2025): the same fixed split, but
+  trajectories stream to the trainer, which runs each micro-batch as it arrives on the Ref and
+  then the Actor, colocated on the trainer's GPUs — an alternation per micro-batch, which
+  costs a swap only when Ref and Actor do not both fit a device (`offload="auto"`).
+- **tiderl**: CTB on rollout, RA2P on the trainer, ERS moving cells.
+
+Rollout ratios of the fixed-split baselines are swept (`tiderl.sim.experiments fig8`), the best
+one taken, as the paper does.
 """
 
 from __future__ import annotations
@@ -61,8 +83,10 @@ class SimConfig:
     """Devices per rollout rank (tensor parallel)."""
     ref_gpus: int = 0
     """tiderl: GPUs of a dedicated Ref (decoupled RA2P), taken from the trainer's; 0: colocated."""
-    offload: bool = True
-    """Colocated trainers keep the idle model in host memory (the baselines' practice)."""
+    offload: bool | str = "auto"
+    """Colocated Ref and Actor: "auto" moves over PCIe only what does not fit one device
+    (`tiderl.sim.memory`: nothing when both fit); True always keeps the idle model in host
+    memory; False never does."""
     workloads: tuple[str, ...] = ("webshop", "alfworld")
     steps: int = 100
     groups_per_step: int = 32
@@ -192,8 +216,9 @@ def _trainer(cfg: SimConfig, costs: SimCostModel, colocated: bool) -> SimTrainer
                           f"{cfg.trainer_gpus}; lower it or the rollout ratio")
     return SimTrainer(costs, actor_gpus=actor_gpus, ref_gpus=0 if colocated else cfg.ref_gpus,
                       aggregate=cfg.mode != "stream",
-                      offload=cfg.offload and cfg.mode != "sync",
-                      colocated_rollout=cfg.mode == "sync")
+                      offload=cfg.offload if cfg.mode != "sync" else False,
+                      colocated_rollout=cfg.mode == "sync", tokens_per_gpu=cfg.tokens_per_gpu,
+                      rollout_gpus_per_rank=cfg.gpus_per_rank)
 
 
 def _layout(cfg: SimConfig, costs: SimCostModel, trainer: SimTrainer, batcher: Any,
@@ -257,7 +282,10 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     cross = cfg.mode != "sync" and cfg.gpus > per_node
 
     async def sync_weights(weights: Any, version: int) -> None:
-        await asyncio.sleep(costs.weight_sync(cross_node=cross, gpus_per_rank=cfg.gpus_per_rank))
+        # sync (hybrid engine): every device gathers the full weights from the FSDP shards;
+        # else a broadcast from the trainer to the rollout ranks.
+        await asyncio.sleep(costs.reshard(cfg.gpus) if cfg.mode == "sync" else
+                            costs.weight_sync(cross_node=cross, gpus_per_rank=cfg.gpus_per_rank))
         await asyncio.gather(*(r.update_weights(weights, version) for r in manager.ranks
                                if r is not None))
 

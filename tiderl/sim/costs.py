@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.configlib import ConfigError
+from tiderl.sim import memory
 
 PROFILES = Path(__file__).with_name("profiles")
 COMPONENTS = ("flops", "hbm", "link", "pcie")
@@ -169,6 +170,8 @@ class Profile:
     notes: Mapping[str, Any]
     host: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """The parts share one host (`tiderl.sim.host`): its effective `capacity` in cores."""
+    memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Per-device memory facts (`tiderl.sim.memory`): `runtime_bytes`."""
 
     def op(self, name: str) -> OpCost:
         if name not in self.ops:
@@ -235,8 +238,12 @@ def profile_from_dict(d: Mapping[str, Any], *, source: str = "<dict>") -> Profil
     if unknown:
         raise ConfigError(f"sim profile {source}: host.{sorted(unknown)[0]} is unknown; use "
                           "host.capacity (effective cores the parts share)")
+    memory = {k: float(_num(v)) for k, v in (d.get("memory") or {}).items()}
+    if set(memory) - {"runtime_bytes"}:
+        raise ConfigError(f"sim profile {source}: memory.{sorted(set(memory))[0]} is unknown; "
+                          "use memory.runtime_bytes (per-device bytes besides the models)")
     return Profile(str(d.get("name", Path(source).stem)), kind, ops, dev, eng,
-                   dict(d.get("notes") or {}), host)
+                   dict(d.get("notes") or {}), host, memory)
 
 
 def _roofline_ops(dev: Device, eff: Mapping[str, float], over: Mapping[str, float],
@@ -431,9 +438,52 @@ class SimCostModel:
         return self._ops["actor_backward"](**self.train_work(rank_lens, row_len=row_len,
                                                               backward=True))
 
+    # -- memory (tiderl.sim.memory) -----------------------------------------------------------
+    def _device(self) -> Device:
+        if self.profile.device is None:
+            raise ConfigError(f"profile {self.profile.name!r} has no device section; memory-"
+                              "derived costs need the device's HBM and PCIe bandwidth")
+        return self.profile.device
+
+    def trainer_memory(self, gpus: int, tokens_per_gpu: int) -> memory.TrainerMemory:
+        return memory.trainer_memory(self.model, self._device(), gpus=gpus,
+                                     tokens_per_gpu=tokens_per_gpu,
+                                     runtime_bytes=self.profile.memory.get("runtime_bytes", 0.0))
+
+    def colocation_swap(self, gpus: int, tokens_per_gpu: int) -> float:
+        """Seconds one Ref/Actor alternation spends on PCIe when both do not fit one device
+        (the bytes they are over HBM by, out and in); 0 when they fit. Where the Actor alone
+        does not fit either, its optimizer state is offloaded too (as VeRL's
+        `optimizer_offload`); the alternation still moves at least the excess, so this is a
+        lower bound there."""
+        tm = self.trainer_memory(gpus, tokens_per_gpu)
+        return self._ops["swap"](pcie=tm.colocation_excess) if tm.colocation_excess else 0.0
+
+    def hybrid_switch(self, gpus: int, gpus_per_rank: int, tokens_per_gpu: int
+                      ) -> dict[str, float]:
+        """Seconds of the hybrid engine's two switches per step (`to_train`, `to_rollout`),
+        from the bytes `tiderl.sim.memory.hybrid_switch_bytes` says move over PCIe."""
+        b = memory.hybrid_switch_bytes(self.model, self._device(), gpus=gpus,
+                                       gpus_per_rank=gpus_per_rank,
+                                       tokens_per_gpu=tokens_per_gpu,
+                                       kv_fraction=self.rules.kv_fraction,
+                                       runtime_bytes=self.profile.memory.get("runtime_bytes",
+                                                                             0.0))
+        swap = self._ops["swap"]
+        return {"to_train": swap(pcie=b["to_train"]), "to_rollout": swap(pcie=b["to_rollout"]),
+                **{f"bytes_{k}": v for k, v in b.items()}}
+
+    def reshard(self, gpus: int) -> float:
+        """The hybrid engine's weight update: every device all-gathers the full bf16 weights
+        from the trainer's FSDP shards ((g-1)/g of them over the group's slowest link)."""
+        g = max(1, gpus)
+        return self._ops["weight_sync"](link=self.link_bytes(
+            self.model.weight_bytes * (g - 1) / g, g))
+
     def actor_state_bytes(self) -> float:
-        """Actor state moved by an offload: bf16 params, fp32 master copy, Adam's two moments."""
-        return self.model.params * (self.model.dtype_bytes + 12)
+        """Actor state moved by an offload: bf16 params and grads (accumulating over the step's
+        micro-batches), fp32 master copy, Adam's two moments (`memory.TRAIN_BYTES_PER_PARAM`)."""
+        return self.model.params * memory.TRAIN_BYTES_PER_PARAM
 
     def apply(self, gpus: int = 1) -> float:
         """Optimizer update: reads grads and state, writes params and state (sharded)."""

@@ -76,8 +76,40 @@ def _simulate(cfg: SimConfig) -> Result:
     stats = {"recomputed_evicted": sum(x.stats.recomputed_evicted for x in ranks),
              "forced_evictions": sum(x.stats.forced_evictions for x in ranks),
              "decisions": dict(r.controller.manager.decisions),
-             "role_changes": r.trainer.role_changes}
+             "role_changes": r.trainer.role_changes, "breakdown": breakdown(r.records)}
     return Result(r.summary, r.steps, stats, r.real_s, r.process_s)
+
+
+BREAKDOWN = ("wall_s", "rwt_s", "twt_s", "swap_s", "switch_s", "sync_s", "role_change_s",
+             "eval_s")
+
+
+def breakdown(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Where a run's time went, in seconds summed over its steps: the virtual wall clock,
+    rollout throttled (RWT), trainer waiting for data (TWT), Ref/Actor swaps (`time_swap`,
+    which includes the hybrid engine's switches), those switches alone, weight syncs, role
+    changes, and evaluations in flight (they overlap training: not a share of the wall)."""
+    steps = [r for r in records if r.get("kind") == "step"]
+    out = dict.fromkeys(BREAKDOWN, 0.0)
+    for r in steps:
+        out["rwt_s"] += r.get("rwt_s", 0.0)
+        out["twt_s"] += r.get("twt_s", 0.0)
+        out["swap_s"] += r.get("time_swap", 0.0)
+        out["switch_s"] += r.get("time_switch", 0.0)
+        out["sync_s"] += r.get("sync_s", 0.0) or 0.0
+        out["role_change_s"] += r.get("role_change_s", 0.0) or 0.0
+    out["wall_s"] = steps[-1].get("wall_s", 0.0) if steps else 0.0
+    out["eval_s"] = sum(r.get("eval_time_s", 0.0) for r in records if r.get("kind") == "eval")
+    return out
+
+
+def breakdown_table(runs: dict[str, Result]) -> None:
+    """One row per run: goodput and where its time went (`breakdown`)."""
+    rows = [(label, r.summary.get("goodput", math.nan),
+             *(r.stats.get("breakdown", {}).get(k, math.nan) for k in BREAKDOWN))
+            for label, r in runs.items()]
+    table(rows, ("run", "goodput tok/s", "wall s", "RWT s", "TWT s", "swaps s",
+                 "switches s", "syncs s", "role chg s", "eval in flight s"))
 
 
 def run_all(cfgs: dict[str, SimConfig], jobs: int = 1) -> dict[str, Result]:
@@ -187,6 +219,8 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
         runs["ers"] = r
     else:
         rows.append(("ERS", "pending", "pending", "pending"))
+    _say("\nFigure 15: where each run's time went")
+    breakdown_table({str(k): v for k, v in runs.items()})
     _say("\nFigure 15 (tiderl, one 8×H100 node, WebShop): total waits over the run")
     table(rows, ("split", "RWT s", "TWT s", "RWT+TWT s"))
     _say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
@@ -264,6 +298,8 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         ax.set_ylabel("goodput (consumed tok/s)")
     fig.tight_layout()
     fig.savefig(args.out / "fig8.png", dpi=120)
+    _say("\nFigure 8: every run (the baselines' ratio sweep included) and where its time went")
+    breakdown_table(all_runs)
     _say("\nFigure 8 (32×H100, WebShop+ALFWorld, eval every 20 steps): goodput")
     table(rows, ("model", "mode", "ratio", "goodput tok/s", "tiderl / mode", "paper"))
     _say("tiderl here is CTB + RA2P + ERS (the production planner)" if args.planner else
@@ -302,6 +338,8 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
         rows.append((name, v / 1e3, "–" if prev is None else f"{v / prev - 1:+.1%}",
                      paper[name][0], paper[name][1]))
         prev = v
+    _say("\nTable 2: where each run's time went")
+    breakdown_table(runs)
     _say(f"\nTable 2 (OSWorld-like, Qwen3-VL-4B decoder, 32×H100, {args.steps} steps)")
     table(rows, ("method", "goodput k tok/s", "step gain", "paper k tok/s", "paper gain"))
     _say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
@@ -358,6 +396,13 @@ def fig14(args: argparse.Namespace) -> dict[str, Any]:
                  "ref s", "swap s"))
     _say(f"overhead = step time − the Actor's own forward+backward on 4 GPUs ({ideal:.2f} s). "
          "paper: RA2P (CM, DM) cuts overhead by up to 44.3% vs VS/VSO (goal: ≤ 0.56× VS)")
+    tm = costs.trainer_memory(gpus, seq)
+    _say(f"memory per GPU (tiderl.sim.memory): Actor state {tm.actor_state / 1e9:.1f} GB "
+         f"(16 B/param over {gpus}) + Ref {tm.ref / 1e9:.1f} + gathered layers "
+         f"{tm.gathered / 1e9:.1f} + activations {tm.activations / 1e9:.1f} + runtime "
+         f"{tm.runtime / 1e9:.1f} = {tm.colocated / 1e9:.1f} GB of {tm.hbm / 1e9:.0f}: " +
+         ("both fit, so VS alternates without moving bytes" if not tm.colocation_excess else
+          f"over by {tm.colocation_excess / 1e9:.1f} GB, moved at each alternation"))
     _say("ours: without offload a Ref/Actor alternation has no roofline cost "
          "(context_switch_c0 = 0 in the h100 profile), so VS pays only for the Ref's compute; "
          "what RA2P saves here is the swaps (VSO) and, in DM, moving the Ref off the Actor")

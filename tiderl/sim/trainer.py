@@ -6,13 +6,18 @@ does and charges each phase's cost from `tiderl.sim.costs`:
 - colocated (Ref on the Actor's devices): the worker takes every micro-batch queued so far (at
   most `max_aggregate`; one at a time without `aggregate`, the vanilla streaming baseline), runs
   the Ref over them, then the Actor's forward and backward. A phase change is an alternation
-  (a context switch, plus with `offload` the idle model's state out to host memory and the
-  needed one in, each a `swap`), exactly as `_ensure` counts them there.
+  (a context switch, plus with `offload=True` the idle model's state out to host memory and
+  the needed one in, each a `swap`), exactly as `_ensure` counts them there. `offload="auto"`
+  offloads only what the memory model says must move: nothing when Ref and Actor fit one
+  device together, else the bytes they are over HBM by, at each alternation
+  (`SimCostModel.colocation_swap`, from `tiderl.sim.memory`).
 - decoupled (`ref_gpus > 0`): the Ref runs on its own devices in arrival order, overlapping the
   Actor; an Actor backward waits for its micro-batch's Ref logprobs (the loss is formed in the
   backward, so the forward never waits).
-- `colocated_rollout` (the `sync` baseline, VeRL's hybrid engine): the trainer's models come in
-  from host memory when a step starts and go back out after the update.
+- `colocated_rollout` (the `sync` baseline, VeRL's hybrid engine): at the start of each step the
+  engine sleeps and training state comes in, after the update it goes back — each switch
+  costing the bytes `SimCostModel.hybrid_switch` derives (engine weights to host memory, KV
+  freed, the Actor state and Ref moved only when they do not fit beside the engine).
 
 The cost of a micro-batch is that of its busiest data-parallel rank (`SimMicroBatch.ranks`,
 planned by the production `tiderl.train.dispatch.plan_microbatches`). Step metrics carry the
@@ -29,7 +34,8 @@ from typing import Any
 from tiderl.sim.costs import SimCostModel
 from tiderl.train.dispatch import lpt_assign, plan_microbatches
 
-PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply", "ref_wait")
+PHASES = ("wait", "ref", "actor_fwd", "actor_bwd", "swap", "apply", "ref_wait", "switch")
+"""`switch`: the hybrid engine's rollout/train switches (also counted in `swap`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +83,20 @@ class SimTrainer:
     `version`) on virtual time."""
 
     def __init__(self, costs: SimCostModel, *, actor_gpus: int, ref_gpus: int = 0,
-                 aggregate: bool = True, max_aggregate: int = 16, offload: bool = False,
-                 colocated_rollout: bool = False, uses_ref: bool = True,
-                 row_len: int | None = None, host: Any = None):
+                 aggregate: bool = True, max_aggregate: int = 16,
+                 offload: bool | str = False, colocated_rollout: bool = False,
+                 uses_ref: bool = True, row_len: int | None = None, host: Any = None,
+                 tokens_per_gpu: int = 16384, rollout_gpus_per_rank: int = 1):
+        if offload not in (True, False, "auto"):
+            raise ValueError(f"SimTrainer offload={offload!r}: use True, False or 'auto'")
         self.costs = costs
         self.actor_gpus, self.ref_gpus = actor_gpus, ref_gpus
         self.aggregate, self.max_aggregate = aggregate, max_aggregate
-        self.offload, self.colocated_rollout = offload, colocated_rollout
+        self.offload_policy = offload
+        """True: the idle model always goes to host memory; False: never; "auto": what does
+        not fit (the memory model)."""
+        self.tokens_per_gpu, self.rollout_gpus_per_rank = tokens_per_gpu, rollout_gpus_per_rank
+        self.offload, self.colocated_rollout = offload is True, colocated_rollout
         self.uses_ref, self.row_len = uses_ref, row_len
         self.host = host
         """A `tiderl.sim.host.SharedHost` when the trainer shares its host with rollout."""
@@ -99,8 +112,6 @@ class SimTrainer:
         self._ref_free = 0.0
         self._last_mb: SimMicroBatch | None = None
         self._reset_step()
-        if colocated_rollout:
-            self.where = {"actor": "host", "ref": "host"}
 
     @property
     def mode(self) -> str:
@@ -136,6 +147,8 @@ class SimTrainer:
     async def finish_step_async(self) -> dict:
         if self._worker is None:
             raise RuntimeError("finish_step() with no submitted micro-batch; submit at least one")
+        if self._worker.done():  # the executor failed: its error, not a wait forever
+            self._worker.result()
         self._finish = asyncio.get_running_loop().create_future()
         self._wake.set()
         return await self._finish
@@ -169,7 +182,8 @@ class SimTrainer:
         ranks, _ = lpt_assign(lens, m)
         per_rank = [[lens[i] for i in r] for r in ranks]
         c, rl = self.costs, self.row_len
-        t_swap = c.swap("ref", m) if self.offload else c.context_switch()
+        t_swap = c.swap("ref", m) if self.offload else c.context_switch() + (
+            c.colocation_swap(m, self.tokens_per_gpu) if self.offload_policy == "auto" else 0.0)
         costs = ra2p.PhaseCosts(t_ref=c.ref_forward(per_rank, row_len=rl) if self.uses_ref else 0.0,
                            t_act_f=c.actor_forward(per_rank, row_len=rl),
                            t_act_b=c.actor_backward(per_rank, row_len=rl), t_swap=t_swap,
@@ -203,11 +217,23 @@ class SimTrainer:
         self._swaps += 1
         await self._sleep("swap", self.costs.swap(role, self.actor_gpus))
 
+    async def _hybrid_switch(self, way: str) -> None:
+        """One of the hybrid engine's switches between rollout and training (VeRL)."""
+        dt = self.costs.hybrid_switch(self.actor_gpus, self.rollout_gpus_per_rank,
+                                      self.tokens_per_gpu)[way]
+        self._swaps += 1
+        self._times["switch"] += dt
+        await self._sleep("swap", dt)
+
     async def _ensure(self, role: str) -> None:
         if self.mode == "colocated" and self._last_role != role:
             self._alternations += 1
             self._last_role = role
             dt = self.costs.context_switch()
+            if self.offload_policy == "auto":  # the bytes that do not fit move each time
+                over = self.costs.colocation_swap(self.actor_gpus, self.tokens_per_gpu)
+                self._swaps += over > 0
+                dt += over
             if dt:
                 await self._sleep("swap", dt)
         if self.mode == "colocated" and self.offload:
@@ -215,6 +241,18 @@ class SimTrainer:
         await self._swap(role, "device")
 
     async def _run(self) -> None:
+        """The executor loop; an error in it fails the pending `finish_step_async` (instead of
+        leaving the controller waiting forever)."""
+        try:
+            await self._loop()
+        except Exception as e:
+            if self._finish is None:
+                self._finish = asyncio.get_running_loop().create_future()
+            if not self._finish.done():
+                self._finish.set_exception(e)
+            raise
+
+    async def _loop(self) -> None:
         assert self._wake is not None
         while True:
             if not self._queue:
@@ -229,8 +267,8 @@ class SimTrainer:
                 continue
             if self._step_t0 is None:
                 self._step_t0 = self.now()
-                if self.colocated_rollout:
-                    await self._swap("actor", "device")
+                if self.colocated_rollout:  # the engine sleeps, training state comes in
+                    await self._hybrid_switch("to_train")
             cap = self.max_aggregate if (self.mode == "colocated" and self.aggregate) else 1
             group, self._queue = self._queue[:cap], self._queue[cap:]
             await self._process(group)
@@ -267,8 +305,7 @@ class SimTrainer:
         await self._sleep("apply", self.costs.apply(self.actor_gpus))
         self.version += 1
         if self.colocated_rollout:  # the rollout engines get the devices back
-            await self._swap("actor", "host")
-            await self._swap("ref", "host")
+            await self._hybrid_switch("to_rollout")
         m = {"loss": 0.0, "grad_norm": 0.0, "microbatches": self._n_mbs,
              "action_tokens": self._tokens, "sequences": self._seqs, "swaps": self._swaps,
              "alternations": self._alternations, "version": self.version, "mode": self.mode,
