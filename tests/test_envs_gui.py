@@ -206,11 +206,9 @@ async def test_served_over_the_protocol_with_a_start_latency():
             assert end.ok and end.reward == 1.0 and end.info["success"]
 
 
-@pytest.mark.asyncio
-async def test_a_text_only_rollout_reads_screenshots_as_placeholders():
-    """The episode runner with a text policy on the gui suite: no crash, each observation's
-    screenshot a placeholder line in the trajectory, every task ending with a verdict."""
-    from tiderl.envs.protocol import EndReason
+async def text_rollout(max_context: int, group_size: int = 3):
+    """A group of gui tasks played by the episode runner with a text policy (a host-side
+    engine sampling digits) against a real server."""
     from tiderl.envs.tasks import TaskSource
     from tiderl.envs.templates import template_for
     from tiderl.models.tokenizer import ByteTokenizer
@@ -223,21 +221,48 @@ async def test_a_text_only_rollout_reads_screenshots_as_placeholders():
     tok = ByteTokenizer()
     tmpl = template_for(tok, "byte")
     cfg = EnvConfig(suite="gui", options=("width=320", "height=200", "max_turns=2"), retries=0)
-    engine = SimEngine(max_action_tokens=4, max_context=4096, actions=DigitActions(0, length=4),
-                       stop_tokens=tuple(tmpl.stop_ids))
+    engine = SimEngine(max_action_tokens=4, max_context=max_context,
+                       actions=DigitActions(0, length=4), stop_tokens=tuple(tmpl.stop_ids))
     rank = RolloutRank(0, engine)
     await rank.start()
-    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=4096)
+    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=max_context)
     try:
         async with EnvServer(GuiDesktop, cfg).serve() as url, EnvClient(url, cfg) as env:
             mgr = RolloutManager([rank], sched, env, tmpl, max_turns=8)
-            trajs = await mgr.run_group(TaskSource("gui", "train", groups=1,
-                                                   group_size=3).element(0))
+            return tok, await mgr.run_group(TaskSource("gui", "train", groups=1,
+                                                        group_size=group_size).element(0))
     finally:
         await rank.close()
+
+
+@pytest.mark.asyncio
+async def test_a_text_only_rollout_reads_screenshots_as_placeholders():
+    """The episode runner with a text policy on the gui suite: no crash, each observation's
+    screenshot a placeholder line in the trajectory, every task ending with a verdict."""
+    from tiderl.envs.protocol import EndReason
+
+    tok, trajs = await text_rollout(4096)
     for t in trajs:
         assert t.end_reason == EndReason.done, (t.end_reason, t.error)
         text = tok.decode(t.tokens)
         # the first observation and each one after an action but the last (done)
         assert text.count("[image 1: image/png 320x200]") == t.turns, text
         assert "Task: " in text and t.reward == 0.0
+
+
+@pytest.mark.asyncio
+async def test_an_observation_that_does_not_fit_the_context_is_not_kept():
+    """A trajectory holds only the tokens the engine took, so it never outgrows
+    rollout.max_context (and trainer.row_len): an observation refused at the context limit
+    is dropped, the task ends context_limit; a first observation that does not fit leaves an
+    empty trajectory, as a refused first request does at the agent endpoint."""
+    from tiderl.envs.protocol import EndReason
+
+    _, trajs = await text_rollout(100, group_size=2)  # the task text alone is ~180 tokens
+    assert [(t.end_reason, t.tokens) for t in trajs] == [(EndReason.context_limit, [])] * 2
+    _, trajs = await text_rollout(300, group_size=2)  # two turns fit, the third does not
+    for t in trajs:
+        assert t.end_reason == EndReason.context_limit and t.turns >= 2
+        assert 0 < len(t.tokens) <= 300
+        assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
+        assert t.loss_mask[-1] == 1  # it ends with the last action the engine sampled

@@ -11,7 +11,9 @@ task, `Pause` parks it on its rank and calls `/pause` on its env session, `Resum
 Failures are values: an env error or timeout ends the task with that `EndReason`, and so does a
 reward that is not a finite number (`bad_reward`: never a NaN in a group's advantages); an
 action longer than the env server takes ends it `action_too_long`, a verdict that trains like
-a turn limit; a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
+a turn limit; an observation that does not fit rollout.max_context ends the task
+context_limit and is not kept (a trajectory holds only what the engine took, so it always fits
+trainer.row_len); a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
 on the other ranks. The policy reads text only: an observation's images (an image suite such
 as `gui`) become placeholder lines, `[image 1: image/png 640x400]` (logged once).
 
@@ -330,6 +332,7 @@ class RolloutManager:
                           tokens=[], loss_mask=[], logprobs=[], versions=[], reward=0.0,
                           end_reason=EndReason.cancelled, turns=0)
         transcript: Transcript | None = None
+        refused = 0  # trailing tokens the engine refused (they never fit rollout.max_context)
         try:
             await self._active(ep)
             start = await self.env.start(ep.spec)
@@ -356,6 +359,7 @@ class RolloutManager:
                 traj.cached_tokens += result.cached_tokens
                 if result.stop_reason == StopReason.CONTEXT_LIMIT and not result.action_tokens:
                     traj.end_reason = EndReason.context_limit
+                    refused = len(new_tokens)  # the observation did not fit: not trained
                     break
                 start_i = len(transcript)
                 action = transcript.add_action(result.action_tokens)
@@ -384,8 +388,11 @@ class RolloutManager:
             raise
         finally:
             if transcript is not None:
-                traj.tokens = list(transcript.tokens)
-                traj.loss_mask = list(transcript.loss_mask)
+                # Only what the engine took: a trajectory never outgrows rollout.max_context
+                # (and so trainer.row_len), as in the agent endpoint's refused requests.
+                keep = len(transcript.tokens) - refused
+                traj.tokens = list(transcript.tokens[:keep])
+                traj.loss_mask = list(transcript.loss_mask[:keep])
                 pad = len(traj.tokens) - len(traj.logprobs)
                 traj.logprobs += [0.0] * pad
                 traj.versions += [-1] * pad
