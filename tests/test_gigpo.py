@@ -89,7 +89,7 @@ def test_history_anchors_exact_step_advantages():
         np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
     assert a0[0] == pytest.approx(1 / math.sqrt(3), rel=1e-5)  # (γ/3) / (γ/√3)
     assert a1[0] == pytest.approx(1 / math.sqrt(2), rel=1e-5)
-    assert (st.turns, st.anchored, st.groups) == (7, 5, 2)
+    assert (st.turns, st.anchored, st.anchored_later, st.groups) == (7, 5, 2, 2)
 
 
 def test_observation_anchors_pool_turns_and_siblings_that_history_keeps_apart():
@@ -110,7 +110,7 @@ def test_observation_anchors_pool_turns_and_siblings_that_history_keeps_apart():
     st = run_steps(spec2, StepCredit(gamma=g, eps=EPS, anchor="observation"))
     # τ0's turns 1 and 2 (returns γ·1, 1) share [20, 21].
     np.testing.assert_allclose(st.per_turn[0][1:], norm([g, 1.0]), rtol=1e-6)
-    assert st.groups == 2  # the prompt (both turn 0s) and [20, 21]
+    assert st.groups == 2 and st.anchored_later == 2  # the prompt (turn 0s) and [20, 21]
     np.testing.assert_allclose(st.per_turn[0][0], norm([g * g, 0.0])[0], rtol=1e-6)
 
 
@@ -172,7 +172,8 @@ def test_buffer_combines_episode_and_step_advantages_per_token():
         assert adv.shape == seq.tokens.shape and len(turns) == len(st)
         for (s0, s1), a in zip(turns, st, strict=True):
             np.testing.assert_allclose(adv[s0:s1], e + omega * a, rtol=1e-6, atol=1e-6)
-    assert buf.summary()["step_credit"] == {"turns": 7, "anchored_turns": 5, "step_groups": 2}
+    assert buf.summary()["step_credit"] == {"turns": 7, "anchored_turns": 5,
+                                            "anchored_later_turns": 2, "step_groups": 2}
 
 
 def test_buffer_default_grpo_is_unchanged():

@@ -175,6 +175,7 @@ class ReadinessBuffer:
             if not adv.keep[0] and not any(np.any(a != 0) for a in st.per_turn):
                 return None
             self.credit_stats.update(turns=st.turns, anchored_turns=st.anchored,
+                                     anchored_later_turns=st.anchored_later,
                                      step_groups=st.groups)
             advs = [token_advantages(t.loss_mask, float(a), s, c.omega)
                     for t, a, s in zip(ok, ep, st.per_turn, strict=True)]

@@ -97,6 +97,8 @@ class StepAdvantages:
     turns: int
     anchored: int
     """Turns in a step group of two or more."""
+    anchored_later: int
+    """Of those, turns after the first (the first turns of siblings always share the prompt)."""
     groups: int
     """Step groups of two or more turns."""
 
@@ -132,12 +134,13 @@ def step_advantages(tokens: Sequence[Sequence[int] | np.ndarray],
         for k, key in enumerate(_anchors(np.asarray(tok, np.int32), turns, credit.anchor)):
             keys.setdefault(key, []).append((i, k))
     per_turn = [np.zeros(len(ret), np.float64) for ret in returns]
-    anchored = groups = 0
+    anchored = later = groups = 0
     for members in keys.values():
         if len(members) < 2:
             continue
         groups += 1
         anchored += len(members)
+        later += sum(k > 0 for _, k in members)
         rs = np.array([returns[i][k] for i, k in members])
         dev = rs - rs.mean()
         if credit.norm == "std":
@@ -145,7 +148,7 @@ def step_advantages(tokens: Sequence[Sequence[int] | np.ndarray],
         for (i, k), a in zip(members, dev, strict=True):
             per_turn[i][k] = a
     return StepAdvantages([a.astype(np.float32) for a in per_turn],
-                          sum(len(r) for r in returns), anchored, groups)
+                          sum(len(r) for r in returns), anchored, later, groups)
 
 
 def token_advantages(loss_mask: Sequence[int] | np.ndarray, episode: float, per_turn: np.ndarray,
