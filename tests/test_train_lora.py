@@ -99,6 +99,10 @@ def test_deferred_lora_gradient_equals_jax_grad(layout):
     version = jnp.int32(be.version)
     cot, m = cotangent(lp, ref, b, version, be.spec)
     deferred = be.k.actor_backward(vjp, cot)
+    # The saved vjp refers to the base in place: no base-shaped array among its residuals.
+    base_shapes = {x.shape for x in jax.tree.leaves(be.frozen) if x.ndim >= 2}
+    assert not base_shapes & {r.shape for r in jax.tree.leaves(vjp.residuals)}
+    assert sum(s >= 0 for s in vjp.slots) >= len(base_shapes)
     assert 0 < int(m["clipped_tokens"]) < float(m["action_tokens"])
     assert float(m["kl_sum"]) > 0  # the adapters move the policy away from the Ref
 
@@ -175,6 +179,8 @@ def test_update_trains_only_the_adapters():
     assert opt_bytes == 2 * _nbytes(be.state["params"]) < _nbytes(be.frozen) / 2
     for leaf in jax.tree.leaves(be.state["params"]):  # pinned shardings on the Actor mesh
         assert leaf.sharding.mesh == be.actor_mesh
+    q = be.state["params"]["layers"][0]["attn"]["lora"]["q_proj"]
+    assert q["lora_a"].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)  # as W's "embed"
 
 
 def _adapter_bytes_by_hand(cfg: ModelConfig, rank: int, targets=LORA_TARGETS) -> int:
@@ -219,6 +225,18 @@ def test_sync_moves_only_the_adapters():
         for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)
     assert jax.tree.structure(trees[0]) == jax.tree.structure(full_trees[0])
+    # An engine built on whole weights takes the merged ones as any new weights (the path that
+    # stamps each token with the version it was sampled at, as for full syncs).
+    from tiderl.serving.config import RolloutConfig
+    from tiderl.serving.engine import Engine
+
+    eng = Engine(be.serving_graphdef, full_trees[0], TINY,
+                 RolloutConfig(page_size=4, num_pages=32, max_slots=2, max_context=64,
+                               max_action_tokens=4, decode_buckets=(1, 2),
+                               prefill_buckets=(16,)), version=0)
+    eng.init_decode_state()
+    eng.update_weights(trees[0], version=1)
+    assert eng.version == 1 and eng.params is trees[0]
 
 
 def test_smollm2_shape_sync_bytes():
@@ -260,6 +278,9 @@ def test_config_errors_name_the_key():
 
     with pytest.raises(ConfigError, match="'trainer.lora_targets' names 'qproj'"):
         load_config(None, ["trainer.lora_rank=4", "trainer.lora_targets=[qproj]"])
+    with pytest.raises(ConfigError, match="'trainer.lora_rank'=4 needs the built-in decoder"):
+        load_config(None, ["trainer.lora_rank=4", "model.n_kv_heads=4",
+                           "model.policy=examples.custom_policy:MiniTransformer"])
 
 
 LAUNCH = ["cluster.fake_cpu_devices=8", "model.n_layers=1", "model.d_model=32",

@@ -111,6 +111,10 @@ class RunConfig:
                 f"config key 'rollout.{key}'={value}: truncated sampling in a training run biases "
                 "the GRPO importance ratios (behaviour logprobs are full-vocabulary); set "
                 f"rollout.{key}={off} (top-k/top-p stay available on the Engine for evaluation)")
+        if self.trainer.lora_rank and self.model.policy != "decoder":
+            raise ConfigError(
+                f"config key 'trainer.lora_rank'={self.trainer.lora_rank} needs the built-in "
+                f"decoder, not model.policy={self.model.policy!r}; set trainer.lora_rank=0")
         self.ers_enabled()  # controller.ers=on with roles that cannot move: fail now
         self._fit_action_chars()
         if self.controller.system_prompt and self.model.tokenizer == "byte":

@@ -21,6 +21,11 @@ Modes:
   `pinned_host` memory and each phase change moves both models. `aggregate=False` is the
   vanilla-streaming baseline (alternate per micro-batch: VS, or VSO with offload).
 
+With LoRA (`trainer.lora_rank` > 0) the train state is the adapters' (`models/lora.py`), the
+policy's weights are the frozen base `frozen` (never updated, never offloaded), the Ref is the
+plain decoder on that base (no copy when colocated), and `export_weights_async` hands out a
+`LoraExport` (adapters + base) so a sync can move the adapters alone.
+
 With `trainer.kl_coef = 0` the loss has no KL term, so the Ref forward is skipped altogether
 (a zero placeholder stands for its logprobs; no Ref phase, alternation or swap is counted), as
 verl does without a KL loss.
