@@ -129,7 +129,10 @@ def test_a_large_deficit_moves_several_cells_sized_by_the_rates():
     plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [gen, gen], start)
     assert [len(p.moves) for p in plans] == [0, 2] and cells.count("rollout") == 4
     assert plans[1].rule == "generation" and "rollout +2 cells" in plans[1].reason
-    assert "balance near 4.0 rollout cells" in plans[1].reason
+    # Sized by what each size is predicted to buy: 1.0 → 2.0 groups/s at +2 (+3 would
+    # leave the trainer at 1.5).
+    assert "predicted 1 → 2 groups/s" in plans[1].reason
+    assert plans[1].effect["predicted_rate_after"] == pytest.approx(2.0)
     # A huge gap is capped at half of the giving role's cells (rounded up), or at the bound.
     far = dict(GEN, gen_rate=0.1, train_rate=6.0)
     plans, cells = run(ERSPlanner(ERSConfig(patience=1)), [far], start)

@@ -156,4 +156,5 @@ class ReadinessAware:
             "ra2p_reason": a.reason if a is not None else None,
             "plan_rule": plan.rule if plan is not None else None,
             "plan_reason": plan.reason if plan is not None else None,
+            "plan_effect": getattr(plan, "effect", None) or None,
             "role_change_s": out.get("change_s", 0.0), "fetch_next": self._fetch, **delta}

@@ -94,6 +94,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 from tiderl.configlib import ConfigError
+from tiderl.control.ers_rates import RateModel
 
 ROLES = ("rollout", "trainer", "ref")
 Role = Literal["rollout", "trainer", "ref"]
@@ -213,9 +214,12 @@ class ScalingPlan:
     reason: str = "keep"
     rule: str = "keep"
     """keep | cold_start | cold_return | no_ref | eval | eval_return | consumption | generation |
-    ra2p | scripted"""
+    hold (a deficit no move pays for) | ra2p | scripted"""
     ref_mode: str = "colocated"
     """RA2P mode for the next step: decoupled (Ref on the ref cells) or colocated."""
+    effect: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    """What the planner predicts this plan's move buys (`predicted_*`, `move_cost_s`) and,
+    once measured, what the previous move realised (`realised`): `RateModel`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +284,10 @@ class Signals:
     """Share of the last step the trainer waited for data."""
     rwt_frac: float = 0.0
     """Share of the interval since the previous boundary rollout sat throttled."""
+    hol_limit_s: float = float("inf")
+    """τ·T_step (the buffer's head-of-line limit): gives the planner the step time."""
+    move_cost_s: float = float("nan")
+    """Seconds a role change costs (drain, weight loads, join), when the caller knows it."""
 
     @classmethod
     def from_readiness(cls, r: Any, *, step: int, eval_next: bool = False,
@@ -300,7 +308,8 @@ class Signals:
                    above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
                    pinned=pinned, gen_rate=float(getattr(r, "gen_rate", float("nan"))),
                    train_rate=train_rate, twt_frac=float(getattr(r, "twt_frac", 0.0)),
-                   rwt_frac=float(getattr(r, "rwt_frac", 0.0)))
+                   rwt_frac=float(getattr(r, "rwt_frac", 0.0)),
+                   hol_limit_s=float(getattr(r, "hol_limit_s", float("inf"))))
 
 
 class Planner(Protocol):
@@ -342,8 +351,13 @@ class KeepSplit:
 class ERSPlanner:
     """The paper's readiness-aware rules (module docstring), with bounds and hysteresis."""
 
-    def __init__(self, cfg: ERSConfig | None = None):
+    def __init__(self, cfg: ERSConfig | None = None, *, move_cost_s: float = math.nan):
         self.cfg = cfg or ERSConfig()
+        self.move_cost_s = move_cost_s
+        """What a role change costs when `Signals.move_cost_s` does not say (nan: unknown,
+        then a move must only be predicted to help)."""
+        self.rates = RateModel()
+        """Measured rates by width: what a move buys (`tiderl.control.ers_rates`)."""
         self.home: tuple[str, ...] | None = None
         """Each cell's role in the first map seen: moves prefer sending cells home, so the
         trainer meshes it passes through recur (compiled once)."""
@@ -467,8 +481,73 @@ class ERSPlanner:
         return n, (f"; rates {s.gen_rate:.3g} groups/s generated, {s.train_rate:.3g} trained "
                    f"per second of compute: balance near {target:.1f} rollout cells")
 
+    # -- what a move buys (tiderl.control.ers_rates) -------------------------------------
+    def _learn(self, s: Signals, cells: CellMap) -> dict[str, Any] | None:
+        """Records this boundary's rates at the widths that made them (not right after a move:
+        that step's data came partly from the old layout) and, at the second boundary after a
+        rated move, what it realised."""
+        if s.cold_start:
+            return None
+        n_r, n_t = cells.count("rollout"), cells.count("trainer")
+        if self._settle != "move":
+            self.rates.observe(n_rollout=n_r, n_trainer=n_t, gen_rate=s.gen_rate,
+                               rwt_frac=s.rwt_frac, train_rate=s.train_rate)
+        p = self.rates.pending
+        if p is None:
+            return None
+        p["age"] = p.get("age", 0) + 1
+        return self.rates.realise(n_r, n_t) if p["age"] >= 2 else None
+
+    def _rated(self, s: Signals, cells: CellMap, src: str, dst: str, *, rule: str,
+               reason: str) -> ScalingPlan | None:
+        """A deficit's move between rollout and the trainer, sized and gated by what it is
+        predicted to buy (`RateModel.best`): the size that saves the most waiting over the
+        next `cooldown + patience` steps net of the move's cost, and no move (a `hold` plan)
+        when none saves more than it costs. Without measured rates: `_size`'s linear sizing."""
+        c = self.cfg
+        cap = c.max_move_cells or -(-cells.count(src) // 2)
+        lo = c.min_rollout_cells if src == "rollout" else c.min_trainer_cells
+        hi = c.max_rollout_cells if dst == "rollout" else c.max_trainer_cells
+        room = min(cap, cells.count(src) - lo, (hi - cells.count(dst)) if hi else cap)
+        if room < 1:  # the bounds allow no move: nothing to predict
+            return None
+        cap = room
+        cost = s.move_cost_s if math.isfinite(s.move_cost_s) else self.move_cost_s
+        pred = self.rates.best(n_rollout=cells.count("rollout"),
+                               n_trainer=cells.count("trainer"),
+                               sign=1 if dst == "rollout" else -1, most=cap,
+                               step_s=s.hol_limit_s / c.tau, horizon=c.cooldown + c.patience,
+                               cost_s=cost)
+        if pred is None:
+            n, note = self._size(s, cells, src, dst)
+            return self._move(cells, src, dst, s, rule=rule, n=n,
+                              reason=f"{reason}{note}: {dst} +{{n}}")
+        words = (f"; predicted {pred['predicted_rate_before']:.3g} → "
+                 f"{pred['predicted_rate_after']:.3g} groups/s, saving "
+                 f"{pred['predicted_saved_s']:.3g} s over {pred['horizon_steps']} steps "
+                 f"against a move of {pred['move_cost_s']:.3g} s")
+        if not pred["pays"]:
+            self._con = self._gen = 0
+            return ScalingPlan(cells, rule="hold", ref_mode=_ref_mode(cells), effect=pred,
+                               reason=f"{reason}{words}: no move pays, roles kept")
+        p = self._move(cells, src, dst, s, rule=rule, n=abs(pred["cells_to_rollout"]),
+                       reason=f"{reason}{words}: {dst} +{{n}}")
+        if p is not None:
+            self.rates.pending = {**pred, "step": s.step, "rule": rule, "age": 0}
+            p = dataclasses.replace(p, effect=pred)
+        return p
+
     # -- the rules ------------------------------------------------------------------------
     def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
+        """The plan for the next step (the rules in the module docstring); its `effect` holds
+        the move's prediction and what the last rated move realised."""
+        realised = self._learn(signals, cells)
+        plan = self._plan(signals, cells)
+        if realised is not None:
+            plan = dataclasses.replace(plan, effect={**plan.effect, "realised": realised})
+        return plan
+
+    def _plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
         if self.home is None:
             self.home = cells.roles
         self._since_last += 1
@@ -524,9 +603,8 @@ class ERSPlanner:
                 if p is not None:
                     return p
             if s.consumption_deficit:
-                n, note = self._size(s, cells, "rollout", "trainer")
-                p = self._move(cells, "rollout", "trainer", s, rule="consumption", n=n,
-                               reason=f"consumption deficit{why}{note}: trainer +{{n}}")
+                p = self._rated(s, cells, "rollout", "trainer", rule="consumption",
+                                reason=f"consumption deficit{why}")
                 if p is not None:
                     return p
         if self._gen >= c.patience:
@@ -535,9 +613,8 @@ class ERSPlanner:
                                   "serves rollout")
             if p is not None:
                 return p
-            n, note = self._size(s, cells, "trainer", "rollout")
-            p = self._move(cells, "trainer", "rollout", s, rule="generation", n=n,
-                           reason=f"generation deficit{why}{note}: rollout +{{n}}")
+            p = self._rated(s, cells, "trainer", "rollout", rule="generation",
+                            reason=f"generation deficit{why}")
             if p is not None:
                 return p
         return keep

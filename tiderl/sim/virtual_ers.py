@@ -68,6 +68,13 @@ def wire(*, planner: str, n_cells: int, rollout_cells: int, ref_cells: int, gpus
         raise ConfigError(f"sim layout: {rollout_cells} rollout + {ref_cells} Ref cells of "
                           f"{n_cells} leave no trainer cell; lower the rollout ratio or ref_gpus")
     chosen = load_planner(planner)
+    if chosen is not None and getattr(chosen, "move_cost_s", None) is not None:
+        # What a change costs here: the leaving ranks' role change (buffers re-allocated, the
+        # other model's weights over PCIe) and the joining ranks' weight load.
+        import math
+
+        if math.isnan(chosen.move_cost_s):
+            chosen.move_cost_s = trainer.costs.role_change() + join_cost_s
     if not has_cells():
         from tiderl.control.ers import Roles
 
