@@ -63,10 +63,10 @@ def _backend(model_cfg=TINY, *, perturb=True, **kw):
     return be
 
 
-def _mbs(be, n_traj=10, seed=1):
+def _mbs(be, n_traj=10, seed=1, n_ranks=4):
     trajs = synthetic_trajectories(n_traj, vocab=64, min_len=6, max_len=30, seed=seed,
                                    versions=(0,))
-    mbs, _ = microbatches(trajs, n_ranks=4, row_len=64, rows_per_rank=1)
+    mbs, _ = microbatches(trajs, n_ranks=n_ranks, row_len=64, rows_per_rank=1)
     rng = np.random.default_rng(seed)
     out = []
     for mb in mbs:  # behaviour logprobs near the policy's: some tokens clip, some do not
@@ -181,6 +181,35 @@ def test_update_trains_only_the_adapters():
         assert leaf.sharding.mesh == be.actor_mesh
     q = be.state["params"]["layers"][0]["attn"]["lora"]["q_proj"]
     assert q["lora_a"].sharding.spec == jax.sharding.PartitionSpec("fsdp", None)  # as W's "embed"
+
+
+def test_decoupled_ref_is_a_copy_of_the_base_on_its_own_mesh():
+    """A Ref on devices of its own holds a copy of the base there (the only Ref copy LoRA
+    makes); switching to colocated drops it, switching back makes it again; steps train in
+    both modes."""
+    devs = jax.devices()
+    actor, ref = make_mesh(devs[:2], fsdp=2), make_mesh(devs[2:4], fsdp=2)
+    cfg = TrainerConfig(actor_devices=2, ref_devices=2, kl_coef=0.1, lora_rank=4,
+                        lora_alpha=8.0)
+    be = TrainerBackend(cfg, TINY, actor_mesh=actor, ref_mesh=ref, temperature=TEMP,
+                        policy=init_policy(TINY, seed=0, mesh=actor))
+
+    def ref_is_base_copy():
+        assert be.mode == "decoupled"
+        for x, y in zip(jax.tree.leaves(be.ref_params), jax.tree.leaves(be.frozen),
+                        strict=True):
+            assert x.sharding.mesh == ref and y.sharding.mesh == actor
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    ref_is_base_copy()
+    mbs = _mbs(be, n_ranks=2)
+    assert np.isfinite(be.train_step(mbs)["loss"])
+    be.set_ref_mesh(None)
+    assert be.mode == "colocated" and be.ref_params is None
+    assert np.isfinite(be.train_step(mbs)["loss"])
+    be.set_ref_mesh(ref)
+    ref_is_base_copy()
+    assert np.isfinite(be.train_step(mbs)["loss"])
 
 
 def _adapter_bytes_by_hand(cfg: ModelConfig, rank: int, targets=LORA_TARGETS) -> int:
