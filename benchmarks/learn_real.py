@@ -19,11 +19,12 @@ Tasks:
   guess      the default task, format=chat (n=8, 3 guesses: a uniformly random guesser wins
              33.0%, the best open-loop policy 37.5%, binary search 87.5%;
              benchmarks/default_task.py)
-  textworld  TextWorld games (2 rooms, 2 objects, quest length 2; reward = score / max score,
-             success = the quest done), longer actions, 6 turns; its own system prompt
-             names the command form. Multi-turn with state the model must read; TextWorld
-             over the calculator because its held-out split is built in (games by seed)
-             where the calculator example has 12 task rows and no eval file.
+  textworld  TextWorld games (2 rooms, 2 objects, quest length 2, the admissible commands
+             listed; reward = score / max score, success = the quest done), 12-token actions,
+             6 turns; a system prompt names the command form. Multi-turn with state the
+             model must read; TextWorld over the calculator because its held-out split is
+             built in (games by seed), where the calculator example has 12 task rows and no
+             eval file.
 
 The last printed line is one JSON object: per task, success before/after (mean over seeds),
 the seeds' spread (max - min of after - before), wall time per run, and each run's curves.
@@ -48,7 +49,8 @@ TEXTWORLD_SYSTEM = ("You are playing a text adventure game. Reply with one short
                     "else.")
 TASKS: dict[str, list[str]] = {
     "guess": [],
-    "textworld": ["env.suite=textworld", "env.options=[rooms=2,objects=2,quest_length=2,admissible=true]",
+    "textworld": ["env.suite=textworld",
+                  "env.options=[rooms=2,objects=2,quest_length=2,admissible=true]",
                   "env.max_turns=6", "rollout.max_action_tokens=12", "rollout.max_context=1024",
                   "rollout.prefill_buckets=[128,512,1024]", "rollout.num_pages=512",
                   "trainer.row_len=1024", "trainer.rows_per_rank=2",

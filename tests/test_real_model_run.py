@@ -1,0 +1,136 @@
+"""Training a real model on the chat form of the default task (docs/how-to/real-model.md):
+the preset configs/smollm2-guess.yaml run end to end on a tiny Qwen2.5-style checkpoint written
+here (its real ChatML template, random weights), so the system prompt, the checkpoint's chat
+template, the sentences and the lenient parser all meet in one run; the calculator (adapter
+and single-turn RLVR) and TextWorld through the same template; benchmarks/learn_real.py's
+curve reader. (The preset on the real SmolLM2-135M-Instruct takes minutes per update on a
+2-core CPU: benchmarks/learn_real.py runs it.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESET = str(ROOT / "configs" / "smollm2-guess.yaml")
+# One short update on two fake devices: the preset's own settings otherwise.
+SHORT = ["controller.steps=1", "controller.eval_every=1", "controller.groups_per_step=2",
+         "controller.groups_per_microbatch=1", "controller.time_limit_s=0", "env.eval_groups=4",
+         "controller.eval_samples=4", "trainer.zero_var_groups=keep"]
+
+
+def _tiny_qwen25(folder: Path) -> None:
+    from test_envs_chat_templates import qwen25
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=640, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True))
+    qwen25(folder)
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow  # ~100 s on an idle 2-core CPU: compiling the engine and the trainer
+@pytest.mark.timeout(900)
+def test_the_chat_form_runs_end_to_end_with_a_checkpoint_template(tmp_path, monkeypatch):
+    from tiderl.config import load_config
+    from tiderl.envs.adapters.default import CHAT_SYSTEM
+    from tiderl.runtime.job import run_job
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_qwen25(ckpt)
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(PRESET, [f"model.checkpoint={ckpt}", f"run_dir={tmp_path / 'run'}",
+                               *SHORT])
+    assert dict(o.split("=", 1) for o in cfg.env.options)["format"] == "chat"
+    summary = asyncio.run(run_job(cfg))
+    assert summary["steps"] == 1, summary
+    assert summary["rollout"]["tasks_ended"] > 0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    assert [e["step"] for e in evals] == [0, 1] and all(e["eval_tasks"] == 4 for e in evals)
+    # What the model saw: the checkpoint's ChatML with the task's system turn (not Qwen's
+    # default one), the chat form's first question, and (after a wrong or unreadable reply)
+    # its sentences.
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples" / "step_0.jsonl")
+               .read_text().splitlines()]
+    text = samples[0]["text"]
+    system = CHAT_SYSTEM.format(n=8, guesses=3)
+    assert text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+                           "What is your guess (1-8)?<|im_end|>\n<|im_start|>assistant\n"), text
+    assert "Qwen" not in text
+    later = "".join(s["text"] for s in samples)
+    assert "Your next guess?" in later or "Correct!" in later or "last try" in later
+
+
+CALCULATOR = [str(ROOT / "configs" / "calculator.yaml"), "controller.steps=1",
+              "controller.groups_per_step=2", "trainer.zero_var_groups=keep"]
+
+
+@pytest.mark.slow  # each a launch on the tiny checkpoint (compiles)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("task", ["calculator", "rlvr", "textworld"])
+def test_other_tasks_run_with_a_checkpoint_chat_template(tmp_path, monkeypatch, task):
+    """The calculator adapter (multi-turn), its task file as single-turn RLVR rows scored by
+    the reward function (env.suite=), and TextWorld with learn_real's settings: each one update
+    through the checkpoint's ChatML template."""
+    import sys
+
+    from tiderl.config import load_config
+    from tiderl.runtime.job import run_job
+
+    if task == "textworld":
+        pytest.importorskip("textworld")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learn_real
+
+    ckpt = tmp_path / "ckpt"
+    _tiny_qwen25(ckpt)
+    monkeypatch.chdir(ROOT)
+    common = [f"model.checkpoint={ckpt}", f"run_dir={tmp_path / 'run'}"]
+    if task == "textworld":
+        cfg = load_config(PRESET, [*common, *SHORT, *learn_real.TASKS["textworld"],
+                                   "env.eval_groups=2", "env.max_turns=2"])
+    else:
+        cfg = load_config(CALCULATOR[0], [*common, *CALCULATOR[1:],
+                                          *(["env.suite="] if task == "rlvr" else [])])
+    assert cfg.env.kind == ("single_turn" if task == "rlvr" else "env")
+    summary = asyncio.run(run_job(cfg))
+    assert summary["steps"] == 1 and summary["consumed_tokens"] > 0, summary
+    reasons = summary["rollout"]["end_reasons"]
+    assert set(reasons) <= {"done", "turn_limit", "context_limit"}, reasons
+    text = (tmp_path / "run" / "samples").glob("*.jsonl") if task == "textworld" else ()
+    for f in text:  # TextWorld's system prompt and first room, in the checkpoint's template
+        first = json.loads(f.read_text().splitlines()[0])["text"]
+        assert first.startswith(f"<|im_start|>system\n{learn_real.TEXTWORLD_SYSTEM}<|im_end|>")
+
+
+def test_learn_real_reads_the_curves_of_a_run(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learn_real
+
+    lines = [{"kind": "eval", "step": 0, "wall_s": 30.04, "eval_success": 0.375,
+              "eval_reward": 0.4, "eval_tasks": 32, "eval_failed": 0},
+             {"kind": "step", "step": 1, "wall_s": 61.0, "reward_mean": 0.3},
+             {"kind": "samples", "step": 0},
+             {"kind": "eval", "step": 1, "wall_s": 90.0, "eval_success": 0.5,
+              "eval_reward": 0.55, "eval_tasks": 32, "eval_failed": 1}]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    c = learn_real.curves(f)
+    assert [(e["update"], e["wall_s"], e["success"]) for e in c["evals"]] == [
+        (0, 30.0, 0.375), (1, 90.0, 0.5)]
+    assert c["steps"] == [{"update": 1, "wall_s": 61.0, "reward_mean": 0.3}]
+    cmd = learn_real.command("guess", 2, 5, 600, "m.gguf", tmp_path / "r")
+    assert cmd[1:5] == ["-m", "tiderl.launch", "--config", "configs/smollm2-guess.yaml"]
+    assert "seed=2" in cmd and "controller.steps=5" in cmd and "model.checkpoint=m.gguf" in cmd
