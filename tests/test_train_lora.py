@@ -320,6 +320,7 @@ LAUNCH = ["cluster.fake_cpu_devices=8", "model.n_layers=1", "model.d_model=32",
 
 
 @pytest.mark.entry
+@pytest.mark.slow
 def test_launch_with_lora_runs_resumes_and_exports(tmp_path):
     """(e) `python -m tiderl.launch trainer.lora_rank=4 ...` completes, each step's record has
     the sync's bytes (adapters only, below whole weights), it resumes from its checkpoint with
