@@ -252,7 +252,7 @@ def test_client_options_outside_the_adapters_allow_list_are_refused():
 
     (bad, ok, same, bad2), live = asyncio.run(go())
     assert bad[0] == 400 and "'cache_dir'" in bad[1]["error"]
-    assert "clients may set: bonus, format_bonus, guesses, hint, n, target, targets" in (
+    assert "clients may set: bonus, format, format_bonus, guesses, hint, n, target, targets" in (
         bad[1]["error"])
     assert bad2[0] == 400 and "'workers'" in bad2[1]["error"]
     assert ok[0] == 200 and ok[1]["observation"] == "guess 1-3"
