@@ -134,3 +134,19 @@ def test_the_step_record_carries_the_plan_effect():
                        effect={"predicted_saved_s": 3.0})
     rec = Stub()._roles_record({"plan": plan})
     assert rec["plan_effect"] == {"predicted_saved_s": 3.0} and rec["plan_rule"] == "hold"
+
+
+def test_rates_that_show_the_trainer_as_the_bottleneck_move_cells_back():
+    """After rollout grew past the balance, the trainer never waits and rollout is not yet
+    throttled: no buffer deficit, but the rates say consumption binds; cells go back to the
+    trainer, sized by what they buy."""
+    start = CellMap(("rollout",) * 6 + ("trainer",) * 2)
+    sig = dict(gen_rate=3.0, train_rate=1.0, twt_frac=0.0)
+    plans, cells = _run(ERSPlanner(ERSConfig(patience=2, max_ref_cells=0)), [sig] * 3, start)
+    assert plans[2].rule == "consumption" and "trainer is the bottleneck" in plans[2].reason
+    # min(g(4) = 2.0, c(4) = 2.0): two cells, half of the rollout's three movable... capped.
+    assert cells.count("trainer") == 4
+    # Near the balance the rates find nothing.
+    calm = dict(gen_rate=1.0, train_rate=0.9)
+    plans, _ = _run(ERSPlanner(ERSConfig(patience=1, max_ref_cells=0)), [calm] * 4, start)
+    assert not any(p.moves for p in plans)

@@ -467,6 +467,17 @@ class ERSPlanner:
         return (f"{g:.3g} groups/s generated against {c:.3g} trained per second of compute: "
                 f"the trainer would wait {1 - g / c:.0%} of its steps")
 
+    def _flooded(self, cells: CellMap) -> str | None:
+        """A consumption deficit the measured rates show before the buffer does (a trainer
+        that never waits, rollout not yet throttled): what rollout makes at this width exceeds
+        by more than `wait_frac` what the trainer trains at its width. None: no such finding."""
+        g = self.rates.gen.get(cells.count("rollout"), math.nan)
+        c = self.rates.train.get(cells.count("trainer"), math.nan)
+        if not (math.isfinite(g) and math.isfinite(c)) or c >= (1.0 - self.cfg.wait_frac) * g:
+            return None
+        return (f"{g:.3g} groups/s generated against {c:.3g} trained per second of compute: "
+                "the trainer is the bottleneck")
+
     def _size(self, s: Signals, cells: CellMap, src: str, dst: str) -> tuple[int, str]:
         """How many cells a deficit's move takes (at least one; more when the rates put the
         balance further away, at most `max_move_cells`, by default half of `src`'s cells),
@@ -561,6 +572,8 @@ class ERSPlanner:
         # serves (or with nothing for a Ref to compute).
         con = s.consumption_deficit or (s.above_break_even and s.uses_ref
                                         and not cells.count("ref"))
+        flooded = self._flooded(cells) if not s.generation_deficit else None
+        con = con or flooded is not None
         starving = self._starving(s)
         gen = (s.generation_deficit or starving is not None) and not con
         self._con = self._con + 1 if con and not s.generation_deficit and not settle else 0
@@ -602,7 +615,8 @@ class ERSPlanner:
                                       "a dedicated Ref")
                 if p is not None:
                     return p
-            if s.consumption_deficit:
+            if s.consumption_deficit or flooded:
+                why = why or (f" ({flooded})" if flooded else "")
                 p = self._rated(s, cells, "rollout", "trainer", rule="consumption",
                                 reason=f"consumption deficit{why}")
                 if p is not None:
