@@ -129,8 +129,11 @@ def test_a_large_deficit_moves_several_cells_sized_by_the_rates():
     plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [gen, gen], start)
     assert [len(p.moves) for p in plans] == [0, 2] and cells.count("rollout") == 4
     assert plans[1].rule == "generation" and "rollout +2 cells" in plans[1].reason
-    # Sized by what each size is predicted to buy: 1.0 → 2.0 groups/s at +2 (+3 would
-    # leave the trainer at 1.5).
+    assert "balance near 4.0 rollout cells" in plans[1].reason
+    # With learned_rates, sized by what each size is predicted to buy: 1.0 → 2.0 groups/s at
+    # +2 (+3 would leave the trainer at 1.5).
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, learned_rates=True)), [gen, gen], start)
+    assert [len(p.moves) for p in plans] == [0, 2] and cells.count("rollout") == 4
     assert "predicted 1 → 2 groups/s" in plans[1].reason
     assert plans[1].effect["predicted_rate_after"] == pytest.approx(2.0)
     # A huge gap is capped at half of the giving role's cells (rounded up), or at the bound.

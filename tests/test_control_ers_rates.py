@@ -61,17 +61,17 @@ def test_a_move_is_made_only_when_the_wait_it_saves_exceeds_its_cost():
     # A step of 2 s (τ·T = 1 s): the best move (+2 rollout: 1 → 2 groups/s) saves
     # 5 · 2 · 0.5 = 5 s over cooldown + patience = 5 steps.
     sig = dict(GEN, gen_rate=1.0, train_rate=3.0, hol_limit_s=1.0)
-    plans, cells = _run(ERSPlanner(ERSConfig(patience=2), move_cost_s=6.0), [sig, sig], start)
+    plans, cells = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=2), move_cost_s=6.0), [sig, sig], start)
     assert not plans[1].moves and plans[1].rule == "hold" and cells == start
     assert "no move pays" in plans[1].reason
     assert plans[1].effect["predicted_saved_s"] == pytest.approx(5.0)
     # Cheaper than what it saves: it moves, sized by the prediction.
-    plans, cells = _run(ERSPlanner(ERSConfig(patience=2), move_cost_s=4.0), [sig, sig], start)
+    plans, cells = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=2), move_cost_s=4.0), [sig, sig], start)
     assert plans[1].rule == "generation" and len(plans[1].moves) == 2
     assert cells.count("rollout") == 4 and plans[1].effect["pays"]
     # The caller's measured cost (Signals.move_cost_s) overrides the planner's default.
     dear = dict(sig, move_cost_s=100.0)
-    plans, _ = _run(ERSPlanner(ERSConfig(patience=2), move_cost_s=1.0), [dear, dear], start)
+    plans, _ = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=2), move_cost_s=1.0), [dear, dear], start)
     assert plans[1].rule == "hold"
 
 
@@ -79,7 +79,7 @@ def test_a_move_that_bought_little_teaches_the_planner_not_to_repeat_it():
     """Generation bound by environment latency: one more rollout cell barely adds. The first
     move is predicted linearly; the one after it sees the flat secant and holds."""
     start = CellMap(("rollout",) * 2 + ("trainer",) * 6)
-    planner = ERSPlanner(ERSConfig(patience=1, cooldown=0, max_move_cells=1))
+    planner = ERSPlanner(ERSConfig(learned_rates=True, patience=1, cooldown=0, max_move_cells=1))
     trace = [dict(GEN, gen_rate=1.0, train_rate=3.0),     # 2 rollout cells: 1.0 groups/s
              dict(GEN, gen_rate=1.05, train_rate=2.5),    # right after the move: not counted
              dict(GEN, gen_rate=1.05, train_rate=2.5)]    # 3 cells made 1.05: it is env-bound
@@ -96,7 +96,7 @@ def test_a_move_that_bought_little_teaches_the_planner_not_to_repeat_it():
     # With steps of 10 s over a horizon of 1 step and moves of 2 s: the first move saves
     # 10 · (1 − 1.0/1.5) = 3.3 s and is made; one more cell now predicts 1.05 → 1.1 groups/s,
     # 0.45 s saved: it holds.
-    gated = ERSPlanner(ERSConfig(patience=1, cooldown=0, max_move_cells=1), move_cost_s=2.0)
+    gated = ERSPlanner(ERSConfig(learned_rates=True, patience=1, cooldown=0, max_move_cells=1), move_cost_s=2.0)
     trace = [dict(t, hol_limit_s=5.0) for t in trace] + [dict(GEN, gen_rate=1.05,
                                                              train_rate=2.5, hol_limit_s=5.0)]
     plans, cells = _run(gated, trace, start)
@@ -110,7 +110,7 @@ def test_a_consumption_move_is_gated_and_sized_too():
     # until the rollout that is left cannot keep up; best at +2 (min(2.4, 2.5) = 2.4).
     sig = dict(CON, gen_rate=4.0, train_rate=1.5, hol_limit_s=10.0)
     # (The run's first boundary does not count toward patience: its step compiled.)
-    plans, cells = _run(ERSPlanner(ERSConfig(patience=2, max_ref_cells=0)), [sig] * 3, start)
+    plans, cells = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=2, max_ref_cells=0)), [sig] * 3, start)
     assert plans[2].rule == "consumption" and [(m.src, m.dst) for m in plans[2].moves] == [
         ("rollout", "trainer")] * 2
     assert plans[2].effect["predicted_rate_after"] == pytest.approx(2.4)
@@ -142,11 +142,11 @@ def test_rates_that_show_the_trainer_as_the_bottleneck_move_cells_back():
     trainer, sized by what they buy."""
     start = CellMap(("rollout",) * 6 + ("trainer",) * 2)
     sig = dict(gen_rate=3.0, train_rate=1.0, twt_frac=0.0)
-    plans, cells = _run(ERSPlanner(ERSConfig(patience=2, max_ref_cells=0)), [sig] * 3, start)
+    plans, cells = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=2, max_ref_cells=0)), [sig] * 3, start)
     assert plans[2].rule == "consumption" and "trainer is the bottleneck" in plans[2].reason
     # min(g(4) = 2.0, c(4) = 2.0): two cells, half of the rollout's three movable... capped.
     assert cells.count("trainer") == 4
     # Near the balance the rates find nothing.
     calm = dict(gen_rate=1.0, train_rate=0.9)
-    plans, _ = _run(ERSPlanner(ERSConfig(patience=1, max_ref_cells=0)), [calm] * 4, start)
+    plans, _ = _run(ERSPlanner(ERSConfig(learned_rates=True, patience=1, max_ref_cells=0)), [calm] * 4, start)
     assert not any(p.moves for p in plans)
