@@ -133,8 +133,9 @@ class ERSConfig:
     at each width (`ers_rates.RateModel`: the size that saves the most waiting over
     cooldown + patience steps net of the move's cost; a `hold` plan when none pays), and call
     a consumption deficit from those rates before the buffer shows one. Off by default: in
-    the simulator's fig8 (Qwen2.5-7B, 32 H100s, 10 steps, ratio 0.25) it lowered tiderl's
-    goodput from 5.34k to 4.87k tok/s; off, moves are sized linearly by the rates (`_size`).
+    the simulator's fig8 (Qwen2.5-7B, 32 H100s, 20 steps) it lowered tiderl's goodput from
+    5.71k to 5.08k tok/s (its first move overshot: predicted 2.01 groups/s, realised 1.16);
+    off, moves are sized linearly by the rates (`_size`).
     Each step record's `plan_effect` carries the prediction and what a move realised."""
     min_rollout_cells: int = 1
     max_rollout_cells: int = 0
