@@ -19,8 +19,12 @@ torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = str(ROOT / "configs" / "smollm2-guess.yaml")
-# One short update on two fake devices: the preset's own settings otherwise.
-SHORT = ["controller.steps=1", "controller.eval_every=1", "controller.groups_per_step=2",
+# One short update: the preset's own settings otherwise. The suite's JAX already has the 8 fake
+# CPU devices of tests/conftest.py, so the run must ask for 8 (JAX's device count is fixed once
+# its backend starts).
+# The tiny checkpoint's tokenizer spends several tokens a word, so its context is widened
+# (the preset's 256 is sized for SmolLM2's); a trajectory never outgrows max_context = row_len.
+SHORT = ["cluster.fake_cpu_devices=8", "rollout.max_context=512", "controller.steps=1", "controller.eval_every=1", "controller.groups_per_step=2",
          "controller.groups_per_microbatch=1", "controller.time_limit_s=0", "env.eval_groups=4",
          "controller.eval_samples=4", "trainer.zero_var_groups=keep"]
 
@@ -71,7 +75,8 @@ def test_the_chat_form_runs_end_to_end_with_a_checkpoint_template(tmp_path, monk
     assert "Your next guess?" in later or "Correct!" in later or "last try" in later
 
 
-CALCULATOR = [str(ROOT / "configs" / "calculator.yaml"), "controller.steps=1",
+CALCULATOR = [str(ROOT / "configs" / "calculator.yaml"), "cluster.fake_cpu_devices=8",
+              "controller.steps=1",
               "controller.groups_per_step=2", "trainer.zero_var_groups=keep"]
 
 
