@@ -115,8 +115,9 @@ class Attention(nnx.Module):
         if self.cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
             q = rms_norm(q, self.q_norm_dh[...], self.cfg.norm_eps)
             k = rms_norm(k, self.k_norm_dh[...], self.cfg.norm_eps)
-        q = rope(q, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
-        k = rope(k, positions_bt, self.cfg.rope_theta, llama3=self.cfg.llama3_rope)
+        rot = dict(llama3=self.cfg.llama3_rope, mrope=self.cfg.mrope)
+        q = rope(q, positions_bt, self.cfg.rope_theta, **rot)
+        k = rope(k, positions_bt, self.cfg.rope_theta, **rot)
         if cache is None:
             impl = _train_impl(self.cfg, q.shape[1])
             if token_chunk and impl == "xla":  # mask_btt: the segment ids (see above)
@@ -335,6 +336,8 @@ class Decoder(nnx.Module):
         remat: bool = False,
         token_chunk: int = 0,
         remat_group: int = 1,
+        inputs_btd: Float[Array, "B T D"] | None = None,
+        layer_adds: tuple[Float[Array, "B T D"], ...] = (),
     ) -> tuple[Float[Array, "B T D"], AttentionCache | None]:
         """Final hidden states (after the final norm, compute dtype), without the vocab head.
 
@@ -345,12 +348,25 @@ class Decoder(nnx.Module):
         time (`attend_query_chunked`, `map_time_chunks`: no T×T scores per head, no T×mlp_dim
         intermediates); `remat_group` > 1 with scanned layers keeps only every that-many-th
         block input (`scan_remat`).
+
+        Vision-language policies (models/vlm.py): `positions_bt` may be [B, T, 3] M-RoPE
+        positions; `inputs_btd` replaces the token embeddings (image features scattered in);
+        `layer_adds[i]` is added to block i's output (Qwen3-VL's deepstack; not with
+        `model.scan_layers`).
         """
         cd = DTYPES[self.cfg.compute_dtype]
-        x_btd = jnp.take(self.embed_vd[...], tokens_bt, axis=0).astype(cd)
+        x_btd = (self.embed(tokens_bt) if inputs_btd is None else inputs_btd).astype(cd)
+        if layer_adds and self.cfg.scan_layers:
+            raise ValueError("layer_adds (deepstack features) need per-layer blocks; set "
+                             "model.scan_layers=false")
+
+        def add(i, x):
+            return x + layer_adds[i].astype(x.dtype) if i < len(layer_adds) else x
+
         if cache is not None:
             for i, block in enumerate(self._blocks()):
                 x_btd, cache = block(x_btd, positions_bt, None, cache=cache, layer=i)
+                x_btd = add(i, x_btd)
             return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), cache
         # Query-chunked attention builds its mask per chunk from the segment ids.
         mask_btt = (segment_ids_bt if token_chunk
@@ -371,14 +387,15 @@ class Decoder(nnx.Module):
             else:
                 x_btd, _ = jax.lax.scan(lambda x, st: (apply(st, x, consts), None), x_btd,
                                         stacked)
-        elif remat:
-            step = nnx.remat(run)
-            for block in self.layers:
-                x_btd = step(block, x_btd, positions_bt, mask_btt)
         else:
-            for block in self.layers:
-                x_btd = run(block, x_btd, positions_bt, mask_btt)
+            step = nnx.remat(run) if remat else run
+            for i, block in enumerate(self.layers):
+                x_btd = add(i, step(block, x_btd, positions_bt, mask_btt))
         return rms_norm(x_btd, self.final_norm_d[...], self.cfg.norm_eps), None
+
+    def embed(self, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """The token embeddings (param dtype)."""
+        return jnp.take(self.embed_vd[...], tokens_bt, axis=0)
 
     def _blocks(self):
         """The blocks one by one (a stacked layout is sliced per layer: the serving path hands

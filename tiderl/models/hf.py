@@ -26,11 +26,23 @@ from safetensors.numpy import save_file as save_numpy
 from tiderl.configlib import ConfigError
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES, Decoder
+from tiderl.models.hf_vlm import (
+    VLM_ARCHITECTURES,
+    VLM_MODEL_TYPES,
+    canonical_name,
+    split_vlm_config,
+    vision_tensors,
+    vlm_architecture,
+    vlm_hf_config,
+    written_name,
+)
 from tiderl.models.sharding import state_shardings
+from tiderl.models.vlm import VisionLanguageModel
 
-ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+TEXT_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (*TEXT_ARCHITECTURES, *VLM_ARCHITECTURES)
 MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", **VLM_MODEL_TYPES}
 # Buffers some exporters write that carry no weights of ours.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -97,7 +109,16 @@ def load_hf_config(path: str | Path, *, dtype: str = "float32") -> ModelConfig:
     hf = read_hf_config(path)
     where = f"config key 'model.checkpoint'={str(path)!r}: its config.json"
     arch = (hf.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES:
+    if arch in VLM_ARCHITECTURES:  # the language model's config, plus the vision tower
+        text_hf, extras = split_vlm_config(hf, where)
+        return dataclasses.replace(_text_config(text_hf, path, where, dtype), **extras)
+    return _text_config(hf, path, where, dtype)
+
+
+def _text_config(hf: dict[str, Any], path: Path, where: str, dtype: str) -> ModelConfig:
+    """The ModelConfig of a text architecture's config.json `hf`."""
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in TEXT_ARCHITECTURES:
         raise ConfigError(f"{where} has architecture {arch!r}, which is not supported; tiderl "
                           f"imports {', '.join(ARCHITECTURES)}")
     act = hf.get("hidden_act", "silu")
@@ -170,6 +191,8 @@ def _hf_to_ours(cfg: ModelConfig) -> Iterator[tuple[str, tuple[Any, ...], Any, A
     yield ("model.norm.weight", ("final_norm_d",), *ident)
     if not cfg.tie_embeddings:
         yield ("lm_head.weight", ("lm_head_dv",), *trans)
+    if cfg.vision is not None:
+        yield from vision_tensors(cfg)
 
 
 def _open_tensors(path: Path) -> dict[str, Path]:
@@ -226,7 +249,8 @@ def _layer_path(ours: tuple[Any, ...], stacked: bool) -> tuple[tuple[Any, ...], 
 
 def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None,
                     scan_layers: bool = False) -> Decoder:
-    """Loads a local HF Qwen2/Qwen3/Llama directory into a `Decoder`.
+    """Loads a local HF Qwen2/Qwen3/Llama directory into a `Decoder` (a Qwen2.5-VL/Qwen3-VL
+    one into a `VisionLanguageModel`).
 
     With `mesh`, every parameter is placed straight into its NamedSharding from host memory
     (each device receives only its shard). `scan_layers` builds the stacked layout
@@ -236,10 +260,12 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
     """
     path = _folder(path)
     cfg = dataclasses.replace(load_hf_config(path, dtype=dtype), scan_layers=scan_layers)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    cls = Decoder if cfg.vision is None else VisionLanguageModel
+    abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh) if mesh is not None else None
-    where = _open_tensors(path)
+    # Canonical name → (file, the name stored): VLM checkpoints name their parts two ways.
+    where = {canonical_name(n): (f, n) for n, f in _open_tensors(path).items()}
     pd = np.dtype(DTYPES[cfg.param_dtype])
     missing, misshaped = [], []
     expected = set()
@@ -256,13 +282,13 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
             if hf_name not in where:
                 missing.append(hf_name)
                 continue
-            f = where[hf_name]
+            f, stored = where[hf_name]
             if f not in handles:
                 handles[f] = stack.enter_context(safe_open(str(f), framework="flax"))
             at, layer = _layer_path(ours, cfg.scan_layers)
             want = tuple(_get(state, at).shape)[0 if layer is None else 1:]
             with _on_host():
-                raw = np.asarray(handles[f].get_tensor(hf_name))
+                raw = np.asarray(handles[f].get_tensor(stored))
             try:
                 value = to_ours(raw)
             except (TypeError, ValueError):
@@ -302,6 +328,8 @@ def from_pretrained(path: str | Path, *, dtype: str = "float32", mesh: Mesh | No
 
 def default_architecture(cfg: ModelConfig) -> str:
     """The HF architecture a config exports as when none is asked for."""
+    if cfg.vision is not None:
+        return vlm_architecture(cfg)
     if cfg.qk_norm:
         return "Qwen3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
@@ -315,6 +343,15 @@ def hf_config(cfg: ModelConfig, architecture: str | None = None,
     Written for both transformers 4 (`rope_theta` + `rope_scaling`, `torch_dtype`) and
     transformers 5 (`rope_parameters`, `dtype`)."""
     arch = architecture or default_architecture(cfg)
+    if cfg.vision is not None or arch in VLM_ARCHITECTURES:
+        if cfg.vision is None or arch != vlm_architecture(cfg):
+            raise ValueError(f"architecture {arch!r} does not fit this model (vision: "
+                             f"{cfg.vision.kind if cfg.vision else 'none'}); export as "
+                             f"{default_architecture(cfg)}")
+        text_cfg = dataclasses.replace(cfg, vision=None, mrope_section=())
+        text_arch = VLM_ARCHITECTURES[arch][1]
+        text_base = (base or {}).get("text_config") or {}
+        return vlm_hf_config(cfg, hf_config(text_cfg, text_arch, text_base), base)
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} not supported; use one of {ARCHITECTURES}")
     if arch == "Qwen2ForCausalLM" and (not cfg.qkv_bias or cfg.qk_norm):
@@ -390,7 +427,7 @@ def save_pretrained(model: nnx.Module, path: str | Path, *, architecture: str | 
             host.clear()  # keep one stacked array on the host at a time
             host[at] = np.asarray(jax.device_get(_get(state, at)[...]))
         value = host[at] if layer is None else host[at][layer]
-        tensors[hf_name] = np.ascontiguousarray(to_hf(value))
+        tensors[written_name(hf_name, cfg)] = np.ascontiguousarray(to_hf(value))
     save_numpy(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return path

@@ -40,19 +40,35 @@ def rope_inv_freq(dh: int, theta: float,
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope(x_bthd: Float[Array, "B T H Dh"], positions_bt: Int[Array, "B T"], theta: float, *,
-         llama3: tuple[float, float, float, int] | None = None) -> Array:
-    """Rotary embedding, half-split layout (HF `rotate_half`), angles in fp32 (`llama3`: see
-    `rope_inv_freq`)."""
+def rotate(x_bthd: Float[Array, "B T H Dh"], ang_btf: Float[Array, "B T F"]) -> Array:
+    """Rotates `x` by the angles `ang` (one per frequency), half-split layout (HF
+    `rotate_half`), in fp32, cast back to the input dtype."""
     dh = x_bthd.shape[-1]
-    inv_freq = rope_inv_freq(dh, theta, llama3)
-    ang_btf = positions_bt.astype(jnp.float32)[..., None] * inv_freq
     cos = jnp.cos(ang_btf)[:, :, None, :]
     sin = jnp.sin(ang_btf)[:, :, None, :]
     x32 = x_bthd.astype(jnp.float32)
     x1, x2 = x32[..., : dh // 2], x32[..., dh // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bthd.dtype)
+
+
+def rope(x_bthd: Float[Array, "B T H Dh"], positions: Int[Array, "B T"] | Int[Array, "B T 3"],
+         theta: float, *, llama3: tuple[float, float, float, int] | None = None,
+         mrope: tuple[int, ...] | None = None) -> Array:
+    """Rotary embedding, half-split layout (HF `rotate_half`), angles in fp32 (`llama3`: see
+    `rope_inv_freq`). `positions` [B, T], or [B, T, 3] (t, h, w) multimodal positions with
+    `mrope` = `config.mrope_axes(...)`: each frequency turns by its axis' position. Positions [B, T]
+    under M-RoPE are all three axes at once (text tokens), i.e. plain RoPE."""
+    dh = x_bthd.shape[-1]
+    inv_freq = rope_inv_freq(dh, theta, llama3)
+    pos = positions.astype(jnp.float32)
+    if pos.ndim == 3:
+        if mrope is None:
+            raise ValueError(f"positions of shape {positions.shape} (multimodal t/h/w) need "
+                             "M-RoPE (model.mrope_section); pass positions [batch, time]")
+        pos_btf = jnp.take(pos, jnp.asarray(mrope, jnp.int32), axis=-1)
+        return rotate(x_bthd, pos_btf * inv_freq)
+    return rotate(x_bthd, pos[..., None] * inv_freq)
 
 
 def packed_causal_mask(segment_ids_bt: Int[Array, "B T"]) -> Bool[Array, "B T T"]:

@@ -17,6 +17,7 @@ from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import AttentionCache, Decoder
 from tiderl.models.lora import LoraSpec, merge_lora, unstack_adapters
 from tiderl.models.sharding import state_shardings
+from tiderl.models.vlm import VisionLanguageModel
 
 
 @runtime_checkable
@@ -33,9 +34,10 @@ class Policy(Protocol):
 
 
 def policy_class(cfg: ModelConfig) -> type[nnx.Module]:
-    """Resolves `model.policy`: 'decoder' or 'package.module:Class'."""
+    """Resolves `model.policy`: 'decoder' or 'package.module:Class'. The built-in decoder with
+    `model.vision` set is the vision-language policy (models/vlm.py)."""
     if cfg.policy == "decoder":
-        return Decoder
+        return Decoder if cfg.vision is None else VisionLanguageModel
     module_name, _, attr = cfg.policy.partition(":")
     try:
         module = importlib.import_module(module_name)

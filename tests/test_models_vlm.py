@@ -1,0 +1,252 @@
+"""Vision-language policies (Qwen2.5-VL, Qwen3-VL): parity with transformers on tiny random
+checkpoints made here, HF import → export round trip, M-RoPE positions, a frozen tower.
+
+Images: two random RGB images of different sizes (32×48 and 21×37 pixels) through transformers'
+`Qwen2VLImageProcessorPil` built locally with explicit arguments (patch 4, temporal patch 2,
+merge 2), so `pixel_values`/`image_grid_thw` are exactly what the processor hands a model
+(grids 1×8×12 and 1×6×10: 24 and 15 image tokens). Tolerance: max |Δlogits| ≤ 1e-4 in fp32
+against transformers' torch CPU forward (whole-model fp32 tolerance, as for the text families).
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tiderl.models.hf import from_pretrained, load_hf_config, save_pretrained  # noqa: E402
+from tiderl.models.policy import build_policy  # noqa: E402
+from tiderl.models.vlm import image_input, mrope_positions, placeholder_count  # noqa: E402
+
+TOL = 1e-4
+IMAGE, VIDEO, START, END = 290, 291, 292, 293
+TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, initializer_range=0.1)
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+              initializer_range=0.1)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+              vision_end_token_id=END)
+
+
+def qwen25_config():
+    # window 16 px = 2 merged tokens per side: the 4×6 and 3×5 merged grids split into 2×3
+    # windows (partial ones at the 3×5 image's edges); block 1 attends over the whole image.
+    return transformers.Qwen2_5_VLConfig(
+        text_config=dict(**TEXT, rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                      mrope_section=[2, 3, 3])),
+        vision_config=dict(**VISION, window_size=16, fullatt_block_indexes=[1]),
+        tie_word_embeddings=False, **TOKENS)
+
+
+def qwen3_config():
+    return transformers.Qwen3VLConfig(
+        text_config=dict(**TEXT, head_dim=16, rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3],
+            mrope_interleaved=True)),
+        vision_config=dict(**VISION, num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+                           hidden_act="gelu_pytorch_tanh"),
+        tie_word_embeddings=False, **TOKENS)
+
+
+FAMILIES = {"qwen2_5_vl": (qwen25_config, "Qwen2_5_VLForConditionalGeneration"),
+            "qwen3_vl": (qwen3_config, "Qwen3VLForConditionalGeneration")}
+
+
+def make_hf(family, path, seed=0):
+    torch.manual_seed(seed)
+    conf_fn, cls = FAMILIES[family]
+    model = getattr(transformers, cls)(conf_fn())
+    # Random biases, norm scales and position tables too, so every mapping is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+            elif "pos_embed" in name or "patch_embed" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def processed_images(sizes=((32, 48), (21, 37)), seed=0):
+    """pixel_values and image_grid_thw as the Qwen2-VL image processor produces them."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    proc = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                    min_pixels=8 * 8, max_pixels=64 * 64)
+    rng = np.random.default_rng(seed)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    out = proc(images=images, return_tensors="np")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def chat_tokens(grid, texts, rng):
+    """Text runs with each image's placeholders (between vision start/end) after run k."""
+    counts = placeholder_count(grid, 2)
+    ids = []
+    for k, n in enumerate(texts):
+        ids += rng.integers(0, 280, n).tolist()
+        if k < len(counts):
+            ids += [START] + [IMAGE] * counts[k] + [END]
+    return np.asarray(ids)
+
+
+def hf_logits(model, tokens_bt, pixels, grid):
+    ids = torch.tensor(tokens_bt)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                    pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                    mm_token_type_ids=(ids == IMAGE).int())
+    return out.logits.numpy()
+
+
+def our_logits(model, cfg, tokens_bt, pixels, grid):
+    images = image_input(pixels, grid, cfg.vision)
+    pos = mrope_positions(tokens_bt, grid, cfg)
+    logits, _ = model(jnp.asarray(tokens_bt), jnp.asarray(pos), jnp.ones(tokens_bt.shape,
+                                                                          jnp.int32),
+                      images=images)
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_hf(request.param, path)
+    return request.param, path, hf, from_pretrained(path, dtype="float32")
+
+
+def test_multi_image_chat_logits_match_transformers(family):
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    diff = np.abs(our_logits(ours, ours.cfg, tokens, pixels, grid)
+                  - hf_logits(hf, tokens, pixels, grid)).max()
+    assert diff <= TOL, (name, diff)
+
+
+def test_batch_of_one_image_rows_of_two_sizes_matches_transformers(family):
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    rng = np.random.default_rng(2)
+    # 24 and 15 image tokens: text runs chosen so both rows are 40 tokens long.
+    rows = [chat_tokens(grid[:1], [6, 8], rng), chat_tokens(grid[1:], [12, 11], rng)]
+    tokens = np.stack(rows)
+    diff = np.abs(our_logits(ours, ours.cfg, tokens, pixels, grid)
+                  - hf_logits(hf, tokens, pixels, grid)).max()
+    assert diff <= TOL, (name, diff)
+
+
+def test_text_only_call_matches_transformers(family):
+    name, path, hf, ours = family
+    tokens = np.random.default_rng(3).integers(0, 280, (2, 13))
+    with torch.no_grad():
+        expect = hf(input_ids=torch.tensor(tokens)).logits.numpy()
+    pos = jnp.broadcast_to(jnp.arange(13), (2, 13))
+    logits, _ = ours(jnp.asarray(tokens), pos, jnp.ones((2, 13), jnp.int32))
+    assert np.abs(np.asarray(logits) - expect).max() <= TOL
+
+
+def test_mrope_positions_equal_get_rope_index(family):
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    ids = torch.tensor(tokens)
+    expect, _ = hf.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(),
+                                        image_grid_thw=torch.tensor(grid))
+    got = mrope_positions(tokens, grid, ours.cfg)
+    np.testing.assert_array_equal(got, expect.numpy().transpose(1, 2, 0))
+
+
+def test_import_export_round_trip(family, tmp_path):
+    name, path, hf, ours = family
+    out = save_pretrained(ours, tmp_path / "out", base_config=json.loads(
+        (path / "config.json").read_text()))
+    from safetensors.numpy import load_file
+
+    src, dst = load_file(str(path / "model.safetensors")), load_file(str(out /
+                                                                         "model.safetensors"))
+    assert sorted(src) == sorted(dst)
+    for k in src:
+        np.testing.assert_array_equal(src[k], dst[k], err_msg=k)
+    assert load_hf_config(out) == load_hf_config(path).__class__(
+        **{**load_hf_config(path).__dict__, "checkpoint": str(out)})
+    # transformers loads the export and computes the same logits.
+    again = getattr(transformers, FAMILIES[name][1]).from_pretrained(out).eval()
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [3, 2, 2], np.random.default_rng(4))[None]
+    np.testing.assert_array_equal(hf_logits(again, tokens, pixels, grid),
+                                  hf_logits(hf, tokens, pixels, grid))
+
+
+def test_frozen_tower_gets_no_gradient(family):
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    images = image_input(pixels, grid, ours.cfg.vision)
+    pos = jnp.asarray(mrope_positions(tokens, grid, ours.cfg))
+    params = nnx.state(ours, nnx.Param)
+
+    def sums(train_vision):
+        cfg = dataclasses.replace(ours.cfg, train_vision=train_vision)
+        graphdef, _ = nnx.split(build_policy(cfg))
+
+        def loss(p):
+            logits, _ = nnx.merge(graphdef, p)(jnp.asarray(tokens), pos,
+                                               jnp.ones(tokens.shape, jnp.int32), images=images)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 7])
+
+        g = jax.grad(loss)(params)
+        return (sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(g["visual"])),
+                sum(float(jnp.abs(x).sum()) for x in jax.tree.leaves(g["layers"])))
+
+    trained, frozen = sums(True), sums(False)
+    assert trained[0] > 0 and frozen[0] == 0.0
+    assert frozen[1] == pytest.approx(trained[1], rel=1e-6)
+
+
+def test_bad_image_inputs_name_the_problem(family):
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    cfg = ours.cfg
+    with pytest.raises(ValueError, match="patch rows but grid_thw"):
+        image_input(pixels[:-4], grid, cfg.vision)
+    with pytest.raises(ValueError, match=r"expected \[patches, 96\]"):
+        image_input(pixels[:, :-1], grid, cfg.vision)
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    with pytest.raises(ValueError, match="more image placeholder runs"):
+        mrope_positions(tokens, grid[:1], cfg)
+    with pytest.raises(ValueError, match="placeholder run at token 6"):
+        mrope_positions(tokens[:, :10], grid, cfg)  # the first image's run cut short
+    with pytest.raises(ValueError, match="more image"):
+        mrope_positions(tokens[:, :5], grid, cfg)
+    short = np.concatenate([tokens[:, :20], tokens[:, 21:]], axis=1)  # one placeholder fewer
+    with pytest.raises(ValueError, match="placeholder run at token"):
+        mrope_positions(short, grid, cfg)
+
+
+def test_config_errors():
+    from tiderl.configlib import ConfigError
+    from tiderl.models.config import ModelConfig, VisionConfig
+
+    with pytest.raises(ConfigError, match="mrope_section"):
+        ModelConfig(head_dim=16, mrope_section=(2, 3, 4))
+    with pytest.raises(ConfigError, match="out_dim"):
+        ModelConfig(d_model=64, vision=VisionConfig(out_dim=32))
+    with pytest.raises(ConfigError, match="fullatt_blocks"):
+        VisionConfig(depth=2, fullatt_blocks=(2,))
+    # A fresh (untrained) VLM builds from config and runs text-only.
+    cfg = ModelConfig(vocab_size=300, d_model=64, head_dim=16, mrope_section=(2, 3, 3),
+                      vision=VisionConfig(out_dim=64, patch_size=4, image_token_id=IMAGE))
+    model = build_policy(cfg)
+    logits, _ = model(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
+                      jnp.ones((1, 4), jnp.int32))
+    assert logits.shape == (1, 4, 300)
