@@ -250,3 +250,68 @@ def test_config_errors():
     logits, _ = model(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
                       jnp.ones((1, 4), jnp.int32))
     assert logits.shape == (1, 4, 300)
+
+
+QWEN2_VL_TEMPLATE = (  # the Qwen2-VL / Qwen2.5-VL chat template (tokenizer_config.json)
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_multi_image_chat_ids_equal_the_processors_apply_chat_template(tmp_path):
+    """A tiny byte-level BPE with the Qwen-VL special tokens, trained here; the reference is
+    transformers' Qwen2_5_VLProcessor.apply_chat_template (its own rendering, tokenizing and
+    placeholder expansion). The processor is assembled without its constructor, whose class
+    check wants a video processor, which needs torchvision (not installed); images only."""
+    import PIL.Image
+    from test_envs_chat_templates import QWEN_SPLIT, _checkpoint
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    from tiderl.envs.chat_templates import compile_chat_template
+    from tiderl.models.config import VisionConfig
+    from tiderl.models.tokenizer import HFTokenizer
+    from tiderl.models.vlm import expand_image_placeholders
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    hf_tok = _checkpoint(tmp_path, split=QWEN_SPLIT, specials=specials,
+                         template=QWEN2_VL_TEMPLATE, eos="<|im_end|>", pad="<|endoftext|>")
+    proc = object.__new__(Qwen2_5_VLProcessor)
+    proc.image_processor = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2,
+                                                    merge_size=2, min_pixels=64, max_pixels=4096)
+    proc.tokenizer, proc.video_processor, proc.chat_template = hf_tok, None, QWEN2_VL_TEMPLATE
+    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
+    proc.image_token_id = hf_tok.convert_tokens_to_ids("<|image_pad|>")
+    proc.video_token_id = hf_tok.convert_tokens_to_ids("<|video_pad|>")
+    rng = np.random.default_rng(0)
+    pics = [PIL.Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+            for h, w in ((32, 48), (21, 37), (16, 16))]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": pics[0]},
+                                     {"type": "text", "text": "open fridge"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "take apple"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Taken. Score: 10/10"},
+                                     {"type": "image", "image": pics[1]},
+                                     {"type": "image", "image": pics[2]}]},
+    ]
+    ref = proc.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                   return_dict=True, return_tensors="np")
+    ours_tok = HFTokenizer(tmp_path)
+    text = compile_chat_template(QWEN2_VL_TEMPLATE).render(messages=messages,
+                                                             add_generation_prompt=True)
+    vision = VisionConfig(patch_size=4, image_token_id=ours_tok.token_to_id("<|image_pad|>"))
+    ids = expand_image_placeholders(ours_tok.encode(text), ref["image_grid_thw"], vision)
+    assert ids == ref["input_ids"][0].tolist()
+    assert ids.count(vision.image_token_id) == 24 + 15 + 4
+    with pytest.raises(ValueError, match=r"grid_thw has 3 images but the ids hold \d"):
+        expand_image_placeholders(ours_tok.encode(text)[:-20], ref["image_grid_thw"], vision)

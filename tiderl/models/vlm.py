@@ -34,14 +34,37 @@ from tiderl.models.decoder import DTYPES, AttentionCache, Decoder
 from tiderl.models.lora import LoraSpec
 from tiderl.models.vision import ImageInput, VisionTower, image_input
 
-__all__ = ["ImageInput", "VisionLanguageModel", "image_input", "mrope_positions",
-           "placeholder_count"]
+__all__ = ["ImageInput", "VisionLanguageModel", "expand_image_placeholders", "image_input",
+           "mrope_positions", "placeholder_count"]
 
 
 def placeholder_count(grid_thw: Any, spatial_merge_size: int) -> list[int]:
     """How many image placeholder tokens each image of `grid_thw` [images, 3] takes."""
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     return [int(t * h * w) // spatial_merge_size ** 2 for t, h, w in grid.tolist()]
+
+
+def expand_image_placeholders(ids: Any, grid_thw: Any, vision: Any) -> list[int]:
+    """Token ids with each image's single placeholder (what the Qwen-VL chat templates render:
+    `<|vision_start|><|image_pad|><|vision_end|>`) repeated `placeholder_count` times, image k
+    of `grid_thw` at the k-th placeholder, as the Qwen2.5-VL/Qwen3-VL processors expand the
+    rendered chat. `vision`: the model's `VisionConfig`."""
+    counts = placeholder_count(grid_thw, vision.spatial_merge_size)
+    out: list[int] = []
+    k = 0
+    for i in (int(t) for t in ids):
+        if i != vision.image_token_id:
+            out.append(i)
+            continue
+        if k == len(counts):
+            raise ValueError(f"the ids hold more image placeholders than grid_thw's {len(counts)}"
+                             " images; pass every image of the conversation")
+        out += [i] * counts[k]
+        k += 1
+    if k != len(counts):
+        raise ValueError(f"grid_thw has {len(counts)} images but the ids hold {k} image "
+                         "placeholders")
+    return out
 
 
 def _row_positions(tokens_t: np.ndarray, grids: list[list[int]], image_token: int,
