@@ -389,3 +389,40 @@ def test_scripted_planner_takes_the_named_roles_at_their_steps_only():
             ERSConfig(script=(bad,))
     with pytest.raises(ConfigError, match="twice"):
         ERSConfig(script=("1:rollout,trainer", "1:trainer,rollout"))
+
+
+def test_a_ready_backlog_is_a_consumption_deficit_only_while_the_trainer_keeps_busy():
+    """The next batch (nearly) ready before its step with a trainer that hardly waited: rollout
+    outpaces it and idles behind the staleness bound with stragglers in flight (which RWT,
+    counted when nothing is in flight, does not show). The same backlog after a step whose
+    trainer waited is no such finding."""
+    buf = ReadinessBuffer(groups_per_microbatch=2, max_staleness=1, min_ok_per_group=1)
+    for k in range(7):  # 7 of B_ideal = 8 groups ready, all just now (no head-of-line age)
+        buf.add_group(_group(f"b{k}"), now=20.0)
+    kw = dict(step_time=10.0, step_time_mean=10.0, rwt=0.0, batch_ideal=8, tau=10.0,
+              wait_frac=0.25, break_even_ras=99, uses_ref=True)  # τ: no head-of-line finding
+    r = buf.boundary(buf.end_step(buf.begin_step(10.0), []), 20.0, twt=1.0, **kw)
+    assert r.consumption_deficit and not r.generation_deficit
+    assert "7 of B_ideal=8 groups ready before the step" in r.deficit_reason
+    r = buf.boundary(buf.end_step(buf.begin_step(20.0), []), 30.0, twt=4.0, **kw)
+    assert not r.consumption_deficit  # the trainer waited 40% of its step
+    buf.take(2, train_version=0)  # 5 of 8 ready: below (1 − wait_frac)·B_ideal
+    r = buf.boundary(buf.end_step(buf.begin_step(30.0), []), 40.0, twt=0.0, **kw)
+    assert not r.consumption_deficit and r.volume_next == 5
+
+
+def test_a_dedicated_ref_only_where_one_cell_keeps_pace_with_the_actor():
+    """Decoupled RA2P with one Ref cell: its forward over the batch takes t_ref·m on one cell
+    against the Actor's (t_act_f + t_act_b) on m cells, so past m = ref_pace trainer cells the
+    Ref would bound the step; then a consumption deficit widens the trainer instead."""
+    cells = CellMap(("rollout",) * 4 + ("trainer",) * 4)
+    sig = dict(uses_ref=True, ras_next=8, break_even_ras=2, ra2p_mode="decoupled",
+               above_break_even=True, deficit_reason="RAS 8 ≥ break-even 2")
+    plans, _ = run(ERSPlanner(ERSConfig(patience=2)), [{**sig, "ref_pace": 4.0}] * 2, cells)
+    assert moves(plans) == [("rollout", "ref")]
+    # A Ref forward a third of the Actor's work: one Ref cell keeps pace with 3 Actor cells.
+    slow = {**sig, "ref_pace": 3.0}
+    plans, _ = run(ERSPlanner(ERSConfig(patience=2)), [slow] * 4, cells)
+    assert moves(plans) == []  # the backlog at the break-even alone asks for a Ref: none pays
+    plans, after = run(ERSPlanner(ERSConfig(patience=2)), [{**slow, **CON}] * 2, cells)
+    assert moves(plans) == [("rollout", "trainer")] and after.count("ref") == 0

@@ -76,17 +76,21 @@ class ReadinessAware:
         compute = out["step_time"] - out["twt"]
         train_rate = len(out["taken"]) / compute if compute > 0 and out["taken"] else float(
             "nan")
+        pace = float("inf")
+        if model is not None and model.costs.t_ref > 0:
+            pace = (model.costs.t_act_f + model.costs.t_act_b) / model.costs.t_ref
         return self._to_signals(r, eval_next=bool(c.eval_every and self.eval_groups
                                                   and self.step % c.eval_every == 0
                                                   and self.step < c.steps),
-                                train_rate=train_rate)
+                                train_rate=train_rate, ref_pace=pace)
 
     def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False,
-                    train_rate: float = float("nan")) -> Signals:
+                    train_rate: float = float("nan"), ref_pace: float = float("inf")
+                    ) -> Signals:
         a = self._advice
         return Signals.from_readiness(
             r, step=self.step, cold_start=cold_start, eval_next=eval_next,
-            uses_ref=self._uses_ref(), train_rate=train_rate,
+            uses_ref=self._uses_ref(), train_rate=train_rate, ref_pace=ref_pace,
             ra2p_mode=a.mode if a is not None else self.roles.ref_mode, pinned=self._pinned())
 
     def _pinned(self) -> frozenset[int]:

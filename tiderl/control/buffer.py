@@ -212,8 +212,10 @@ class ReadinessBuffer:
                  rwt_span: float | None = None) -> Readiness:
         """The signals ERS plans with, right after the update (before the weight sync).
 
-        Consumption deficit: the oldest ready group has waited longer than τ·T_step, or
-        rollout sat throttled (RWT) for more than `wait_frac` of the step. Generation deficit:
+        Consumption deficit: the oldest ready group has waited longer than τ·T_step, rollout
+        sat throttled (RWT) for more than `wait_frac` of the step, or at least
+        (1 − `wait_frac`)·B_ideal groups are ready for the next step while this one's trainer
+        waited at most `wait_frac` of it (a ready backlog). Generation deficit:
         fewer than B_ideal groups are ready for the next step and the trainer waited (TWT) for
         more than `wait_frac` of this one. RAS at or above the RA2P break-even (with a Ref
         forward to run) is reported apart: it asks for a decoupled Ref, not a wider trainer."""
@@ -242,6 +244,13 @@ class ReadinessBuffer:
         if r.rwt_frac > wait_frac:
             con.append(f"rollout throttled {rwt:.2f}s = {r.rwt_frac:.0%} of the interval "
                        "since the last boundary")
+        if r.volume_next >= (1.0 - wait_frac) * batch_ideal and r.twt_frac <= wait_frac:
+            # The next step's batch is (nearly) ready before it starts and this step's trainer
+            # hardly waited: rollout runs a step ahead of a trainer it outpaces (the paper's
+            # large RAS). Rollout then idles throttled behind the staleness bound with only
+            # stragglers left, which RWT (counted when nothing is in flight) does not show.
+            con.append(f"{r.volume_next} of B_ideal={batch_ideal} groups ready before the "
+                       f"step, trainer waited {r.twt_frac:.0%} of this one")
         if r.volume_next < batch_ideal and r.twt_frac > wait_frac:
             gen.append(f"{r.volume_next} of B_ideal={batch_ideal} groups ready, trainer "
                        f"waited {twt:.2f}s = {r.twt_frac:.0%} of the step")

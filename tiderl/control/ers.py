@@ -69,9 +69,11 @@ Rules of `ERSPlanner` (each plan carries its reason):
    cell moves to rollout preemptively; at the next boundary it returns unless generation is
    then the deficit.
 4. Consumption deficit (data waits for the trainer: head-of-line latency over τ·T_step, RAS at
-   or above the RA2P break-even, or rollout throttled) held for `patience` boundaries: if RA2P
-   advises decoupled and there is no Ref cell, a rollout cell becomes the Ref; else rollout
-   cells join the trainer.
+   or above the RA2P break-even, rollout throttled, or a ready backlog — the next batch
+   nearly ready before its step while the trainer hardly waited) held for `patience`
+   boundaries: if RA2P advises decoupled, there is no Ref cell and one Ref cell keeps pace
+   with the trainer's cells (`Signals.ref_pace`), a rollout cell becomes the Ref; else
+   rollout cells join the trainer.
 5. Generation deficit (the next batch is short of B_ideal and the trainer waited) held for
    `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else trainer cells do.
 6. Sizing: the signals choose the direction, the measured rates the size. Groups generated per
@@ -297,11 +299,17 @@ class Signals:
     """τ·T_step (the buffer's head-of-line limit): gives the planner the step time."""
     move_cost_s: float = float("nan")
     """Seconds a role change costs (drain, weight loads, join), when the caller knows it."""
+    ref_pace: float = float("inf")
+    """Actor cells one Ref cell keeps pace with in decoupled mode: (t_act_f + t_act_b) / t_ref
+    of the trainer's measured phase costs (a Ref forward is about a third of an Actor's forward
+    and backward: 2 against 6 FLOPs per parameter per token, so about 3). A Ref cell serving
+    more Actor cells than this makes the Ref the pipeline's bottleneck. inf: unknown."""
 
     @classmethod
     def from_readiness(cls, r: Any, *, step: int, eval_next: bool = False,
                        cold_start: bool = False, uses_ref: bool = True,
                        ra2p_mode: str | None = None, train_rate: float = float("nan"),
+                       ref_pace: float = float("inf"),
                        pinned: frozenset[int] = frozenset()) -> Signals:
         """The planner's view of a boundary's `Readiness` (`ReadinessBuffer.boundary`), plus
         the run's state the buffer does not know. `ra2p_mode`: the cost model's advice (None:
@@ -315,7 +323,8 @@ class Signals:
                    generation_deficit=r.generation_deficit,
                    consumption_deficit=r.consumption_deficit,
                    above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
-                   pinned=pinned, gen_rate=float(getattr(r, "gen_rate", float("nan"))),
+                   pinned=pinned, ref_pace=ref_pace,
+                   gen_rate=float(getattr(r, "gen_rate", float("nan"))),
                    train_rate=train_rate, twt_frac=float(getattr(r, "twt_frac", 0.0)),
                    rwt_frac=float(getattr(r, "rwt_frac", 0.0)),
                    hol_limit_s=float(getattr(r, "hol_limit_s", float("inf"))))
@@ -447,6 +456,13 @@ class ERSPlanner:
         reason = reason.replace("{n}", f"{len(moves)} cell{'s' if len(moves) > 1 else ''}")
         return ScalingPlan(after, tuple(moves), reason=f"{reason}: {which} {src} → {dst}",
                            rule=rule, ref_mode=_ref_mode(after))
+
+    def _ref_keeps_up(self, s: Signals, cells: CellMap) -> bool:
+        """A dedicated Ref (one cell, from rollout) pays only when it keeps pace with the Actor
+        it would serve: the trainer's cells at most `Signals.ref_pace`. Past that the Ref's
+        forward over the whole batch on one cell outlasts the Actor's step on the others, and
+        decoupling slows the step it was meant to speed up."""
+        return s.uses_ref and cells.count("trainer") <= s.ref_pace
 
     # -- sizing ---------------------------------------------------------------------------
     def _balance(self, s: Signals, cells: CellMap) -> float | None:
@@ -583,7 +599,7 @@ class ERSPlanner:
         settle, self._settle = self._settle, None
         # A backlog at the RA2P break-even asks for a Ref cell: it is no deficit once one
         # serves (or with nothing for a Ref to compute).
-        con = s.consumption_deficit or (s.above_break_even and s.uses_ref
+        con = s.consumption_deficit or (s.above_break_even and self._ref_keeps_up(s, cells)
                                         and not cells.count("ref"))
         flooded = (self._flooded(cells) if c.learned_rates and not s.generation_deficit
                    else None)
@@ -621,8 +637,8 @@ class ERSPlanner:
         why = s.deficit_reason if not gen or s.generation_deficit else starving
         why = f" ({why})" if why else ""
         if self._con >= c.patience:
-            if s.uses_ref and not cells.count("ref") and (s.above_break_even
-                                                           or s.ra2p_mode == "decoupled"):
+            if not cells.count("ref") and self._ref_keeps_up(s, cells) and (
+                    s.above_break_even or s.ra2p_mode == "decoupled"):
                 p = self._move(cells, "rollout", "ref", s, rule="consumption",
                                reason=f"consumption deficit{why}, RA2P advises decoupled "
                                       f"(RAS {s.ras_next} vs break-even {s.break_even_ras}): "

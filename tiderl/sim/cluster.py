@@ -92,6 +92,9 @@ class SimConfig:
     groups_per_step: int = 32
     group_size: int = 8
     groups_per_microbatch: int = 2
+    min_groups_per_step: int = 0
+    """B_min of the elastic batch (`controller.min_groups_per_step`; 0: B_ideal, no early
+    steps): a step holding B_min groups stops waiting for stragglers past τ·T_step."""
     max_staleness: int = 1
     eval_every: int = 20
     eval_groups: int = 200
@@ -296,6 +299,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                             groups_per_microbatch=cfg.groups_per_microbatch,
                             max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
                             console=False, checkpoint_every=0, min_ok_per_group=1,
+                            min_groups_per_step=cfg.min_groups_per_step,
                             time_limit_s=cfg.time_limit_s)
     train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
                                  group_size=cfg.group_size))
