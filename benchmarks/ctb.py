@@ -1,7 +1,7 @@
 """CTB against request-level continuous batching: same engine, KV pool, task stream and seeds.
 
     python benchmarks/ctb.py [--repeats 3] [--workloads textworld,default,webshop] [--quick]
-                             [--sweep full|short] [--noshare-caps all|pool]
+                             [--sweep full|short] [--noshare-caps all|pool] [--model DIR|PATH.gguf]
 
 One rollout rank (one engine, one fixed KV pool) plays one step (N groups x G tasks, every task
 to its end) against a real env server on loopback (aiohttp, in-process, injected latency).
@@ -30,6 +30,17 @@ alone (`--solo-tasks` of the longest chains, same tokens; the fastest of the rep
 targets are checked against them.
 The last stdout line is one JSON object: `hit_rate_ratio` and `step_time_ratio` of CTB against
 the best vanilla, both with sharing, at the worst workload, and `per_workload`.
+
+`--model DIR|PATH.gguf` serves a real checkpoint instead of the tiny random byte-level policy
+(an HF folder, or a GGUF file converted once into a cached one, as `model.checkpoint` is),
+float32, layers scanned as the real-model preset serves them: prompts are written with its
+tokenizer and chat template, with each task's system turn (the chat form of the default task,
+a command form for TextWorld), and the workloads are `REAL_WORKLOADS`: fewer tasks and turns,
+so that a step fits a CPU on which this model prefills about a hundred tokens a second, and a
+KV pool smaller than the step's contexts (the fraction it holds is measured and printed: the
+sum of every task's final context over the pool). There recomputing an evicted context costs
+real compute. The JSON then also has `model`, `longest_context_workload` (the workload whose
+tasks end with the longest mean context) and its `hit_rate_ratio`/`step_time_ratio`.
 """
 
 from __future__ import annotations
@@ -63,7 +74,7 @@ from tiderl.envs.tasks import TaskSource  # noqa: E402
 from tiderl.envs.templates import template_for  # noqa: E402
 from tiderl.models.config import ModelConfig  # noqa: E402
 from tiderl.models.policy import init_policy  # noqa: E402
-from tiderl.models.tokenizer import ByteTokenizer  # noqa: E402
+from tiderl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from tiderl.serving.config import RolloutConfig  # noqa: E402
 from tiderl.serving.ctb import CTBConfig, make_scheduler  # noqa: E402
 from tiderl.serving.engine import Engine, PrefillRequest  # noqa: E402
@@ -87,6 +98,11 @@ class Workload:
     latency: LatencyConfig
     groups: int
     group_size: int
+    action_tokens: int = 8
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    decode_buckets: tuple[int, ...] = (4, 8, 16, 32)
+    system: str | None = None
+    """The system turn (a real model's chat form); None: the byte template has none."""
 
 
 WORKLOADS = {
@@ -112,6 +128,45 @@ WORKLOADS = {
         max_context=3584, num_pages=640, groups=1, group_size=8,
         latency=LatencyConfig(dist="pareto", scale_s=0.05, alpha=1.5, cap_s=3.0,
                               start_factor=2.0, seed=1)),
+}
+
+# With a real model (`--model`): the same envs in their chat form, at shapes a loaded 2-core CPU
+# steps through in about a minute: SmolLM2-135M there takes ~0.1-0.5 s per engine call
+# (a decode step, a prefill chunk), so one task's turn (a ~40-token observation, a reply cut
+# at 4 tokens: a guess is "5" and <|im_end|>) costs ~1-2 s of compute. The envs' latencies are
+# scaled to that (medians ~1.5 s, the tiny workloads' tens of ms would be ~2% of a turn, where
+# no schedule has a wait to overlap): as in arXiv 2608.10402's setting, a wait on the env is
+# comparable to a turn's compute (`--latency-scale` moves it). 6 tasks (2 groups of 3), a
+# few turns. Token counts are SmolLM2's (~5 bytes a token on this text). Each pool holds
+# under half of the step's final contexts (measured and printed as `pool / contexts`), and
+# one task's max_context.
+CHAT = ("format=chat",)
+TEXTWORLD_SYSTEM = ("You are playing a text adventure game. Reply with one short command such "
+                    "as 'go north', 'open box', 'take key' or 'put key in box', and nothing "
+                    "else.")
+_REAL = dict(groups=2, group_size=3, action_tokens=4, prefill_buckets=(32, 128),
+             decode_buckets=(2, 4, 8))
+REAL_WORKLOADS = {
+    # ~50-token system turn, ~25-token page per observation: ~90 tokens after the first
+    # observation, ~+40 a turn, ~250 after 4 turns; 6 tasks end with ~1.5k tokens of context
+    # against a 640-token pool. Heavy-tailed env (Pareto, alpha 1.5, median ~1.6 s, cap 6 s).
+    "webshop": Workload(
+        "webshop", "webshop", ("n=8", "guesses=4", "page=120", *CHAT), max_turns=4,
+        max_context=384, num_pages=40, **_REAL,
+        latency=LatencyConfig(dist="pareto", scale_s=1.0, alpha=1.5, cap_s=6.0,
+                              start_factor=2.0, seed=1)),
+    # TextWorld (2 rooms, 2 objects, quest 2): a ~150-token first observation, ~20 a turn.
+    "textworld": Workload(
+        "textworld", "textworld", ("rooms=2", "objects=2", "quest_length=2"), max_turns=3,
+        max_context=384, num_pages=32, system=TEXTWORLD_SYSTEM, **_REAL,
+        latency=LatencyConfig(dist="lognormal", median_s=1.5, sigma=0.5, start_factor=2.0,
+                              seed=1)),
+    # The default task's chat form: ~70-token prompt, ~20 tokens a turn, 5 guesses.
+    "default": Workload(
+        "default", "default", ("n=8", "guesses=5", *CHAT), max_turns=5, max_context=256,
+        num_pages=24, **_REAL,
+        latency=LatencyConfig(dist="lognormal", median_s=1.5, sigma=0.5, start_factor=2.0,
+                              seed=1)),
 }
 
 WORDS = ("results for item price rating size color brand shipping review stars buy now add "
@@ -172,10 +227,57 @@ def adapter_for(suite: str):
 
 
 def rollout_cfg(wl: Workload, stop_ids) -> RolloutConfig:
-    return RolloutConfig(num_pages=wl.num_pages, page_size=16, max_slots=32,
-                         max_context=wl.max_context, max_action_tokens=8, temperature=1.0,
-                         decode_buckets=(4, 8, 16, 32), prefill_buckets=(16, 64, 256),
-                         stop_tokens=tuple(sorted(stop_ids)))
+    return RolloutConfig(num_pages=wl.num_pages, page_size=16, max_slots=max(wl.decode_buckets),
+                         max_context=wl.max_context, max_action_tokens=wl.action_tokens,
+                         temperature=1.0, decode_buckets=wl.decode_buckets,
+                         prefill_buckets=wl.prefill_buckets, stop_tokens=tuple(sorted(stop_ids)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What the engine serves and how turns are written: the tiny random byte-level policy, or
+    a real checkpoint (`--model`) with its tokenizer and chat template."""
+    graphdef: object
+    params: object
+    model: ModelConfig
+    template: object
+    name: str
+    real: bool
+
+    def system(self, wl: Workload) -> str | None:
+        """The workload's system turn: none for the byte policy; a real model's chat form."""
+        if not self.real:
+            return None
+        opts = dict(o.split("=", 1) for o in wl.options if not o.startswith("page="))
+        suite = "default" if wl.suite == "webshop" else wl.suite
+        return wl.system or adapter_class(suite).system_prompt(opts)
+
+
+def load_policy(path: str) -> Policy:
+    """`--model`: an HF checkpoint folder or a .gguf file (converted once into a cached HF
+    folder, as `model.checkpoint` is); float32, layers scanned. Empty: the tiny policy."""
+    if not path:
+        graphdef, params = init_policy(MODEL, seed=0)
+        return Policy(graphdef, params, MODEL, template_for(ByteTokenizer(), "byte"),
+                      "tiny random policy, byte tokenizer", False)
+    from pathlib import Path
+
+    from flax import nnx
+
+    from tiderl.models.gguf import gguf_folder, is_gguf
+    from tiderl.models.hf import from_pretrained
+
+    p = Path(path)
+    if not p.exists():
+        sys.exit(f"--model {path!r} not found: pass a local HF checkpoint folder (config.json, "
+                 "*.safetensors, tokenizer.json) or a .gguf file")
+    folder = gguf_folder(p) if is_gguf(p) else p
+    if not (folder / "tokenizer.json").is_file():
+        sys.exit(f"--model {path!r} has no tokenizer.json: the tasks' prompts need the "
+                 "checkpoint's own tokenizer (save it beside the weights)")
+    model = from_pretrained(folder, dtype="float32", scan_layers=True)
+    graphdef, params = nnx.split(model)
+    return Policy(graphdef, params, model.cfg, template_for(HFTokenizer(folder)), p.name, True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,12 +316,11 @@ def task_chains(trajs: list, wl: Workload, decode_step_s: float) -> dict[str, fl
 
 
 async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, groups: list,
-                   c: Contender, sched, decode_step_s: float) -> dict:
+                   c: Contender, sched, decode_step_s: float, policy: Policy) -> dict:
     """One step (every group to its end) under one scheduler; returns its figures. The
     scheduler is the contender's own across its runs, as a job keeps one across its steps
     (what CTB learns online, environment waits and context growth, carries over); a finished
     group leaves nothing else behind in it."""
-    tmpl = template_for(ByteTokenizer(), "byte")
     rank = RolloutRank(0, engine, max_prefills_per_step=16, share_prefixes=c.share)
     await rank.start()
     active_samples: list[int] = []
@@ -236,7 +337,8 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
 
     c0 = dataclasses.replace(engine.counters)
     async with EnvClient(url, EnvConfig(concurrency=256)) as env:
-        mgr = RolloutManager([rank], sched, env, tmpl, max_turns=wl.max_turns)
+        mgr = RolloutManager([rank], sched, env, policy.template, max_turns=wl.max_turns,
+                             system=policy.system(wl))
         sampler = asyncio.create_task(sample_active())
         t0 = time.perf_counter()
         trajs = await asyncio.gather(*(mgr.run_group(g) for g in groups))
@@ -270,6 +372,7 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
         "tasks": len(trajs),
         "chains": (chains := task_chains(trajs, wl, decode_step_s)),
         "path_bound_s": max(chains.values()),
+        "context_tokens": sum(len(t.tokens) for t in trajs),
         "task_tokens": {t.task_id: hash(tuple(t.tokens)) for t in trajs},
         "signature": hash(tuple(tuple(t.tokens) for t in sorted(trajs, key=lambda t: t.task_id))),
     }
@@ -297,16 +400,24 @@ def warm_up(engine: Engine, rcfg: RolloutConfig) -> tuple[float, float]:
                 engine.free(h)
     compile_s = time.perf_counter() - t0
     # The fastest decode step there is (one row, the smallest bucket): the critical path's
-    # per-token floor.
-    (h,) = engine.prefill_many(None, [PrefillRequest(None, [65] * 8, 8, task_id=10**6)])
-    state = engine.insert(h, engine.state)
-    times = []
-    for _ in range(7):
-        t1 = time.perf_counter()
-        state, _ = engine.generate(None, state)
-        times.append(time.perf_counter() - t1)
-    engine.free(h)
-    return compile_s, min(times)
+    # per-token floor. Only steps with the row still decoding count (once it stops, at its
+    # action cap or a stop token, a step has nothing to do); a row that stops at once is
+    # replaced by another prompt.
+    times: list[float] = []
+    for k in range(8):
+        (h,) = engine.prefill_many(None, [PrefillRequest(None, [65 + k] * 8, 8,
+                                                         task_id=10**6 + k)])
+        state = engine.insert(h, engine.state)
+        for _ in range(7):
+            if not h.decoding:
+                break
+            t1 = time.perf_counter()
+            state, _ = engine.generate(None, state)
+            times.append(time.perf_counter() - t1)
+        engine.free(h)
+        if times:
+            break
+    return compile_s, min(times, default=0.0)
 
 
 def prepare(wl: Workload, state_dir: str) -> list:
@@ -332,11 +443,10 @@ def sweep_caps(n_tasks: int, pool_cap: int, short: bool) -> list[int]:
     return sorted(c for c in caps if 1 <= c <= n_tasks)
 
 
-async def bench_workload(wl: Workload, args) -> dict:
-    tmpl = template_for(ByteTokenizer(), "byte")
-    rcfg = rollout_cfg(wl, tmpl.stop_ids)
-    graphdef, params = init_policy(MODEL, seed=0)
-    engine = Engine(graphdef, jax.device_put(params, jax.devices()[0]), MODEL, rcfg, seed=123)
+async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
+    rcfg = rollout_cfg(wl, policy.template.stop_ids)
+    engine = Engine(policy.graphdef, jax.device_put(policy.params, jax.devices()[0]),
+                    policy.model, rcfg, seed=123)
     n_tasks = wl.groups * wl.group_size
     state_dir = tempfile.mkdtemp(prefix="tiderl-ctb-env-")  # the env server's; removed below
     groups = prepare(wl, state_dir)
@@ -357,7 +467,8 @@ async def bench_workload(wl: Workload, args) -> dict:
         async def once(c: Contender, label: str) -> dict:
             if label == "sizing" or c not in scheds:
                 scheds[c] = new_scheduler(rcfg, c)
-            r = await run_step(engine, rcfg, wl, url, groups, c, scheds[c], decode_step_s)
+            r = await run_step(engine, rcfg, wl, url, groups, c, scheds[c], decode_step_s,
+                               policy)
             hit = r["cached_tokens"] / max(1, r["prompt_tokens"])
             print(f"  [{wl.name}] {label:7s} {c.name:18s} step {r['step_s']:6.2f}s hit "
                   f"{hit:.3f} computed {r['computed_tokens']:6d} evictions "
@@ -372,13 +483,16 @@ async def bench_workload(wl: Workload, args) -> dict:
         probe = await once(Contender("vanilla", True, n_tasks), "sizing")
         mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
         pool_cap = max(1, round(capacity / mean_ctx))
-        contenders = [Contender("ctb", True), Contender("ctb", False)]
+        contenders = [Contender("ctb", True)]
+        if args.noshare_caps != "none":
+            contenders.append(Contender("ctb", False))
         caps = sweep_caps(n_tasks, pool_cap, args.quick or args.sweep == "short")
         contenders += [Contender("vanilla", True, cap) for cap in caps]
         # Without sharing: the whole sweep, or (--noshare-caps pool, a shorter run) the
         # pool-sized cap only.
         contenders += [Contender("vanilla", False, cap) for cap in caps
-                       if args.noshare_caps == "all" or cap == pool_cap]
+                       if args.noshare_caps == "all" or (args.noshare_caps == "pool" and
+                                                         cap == pool_cap)]
         if args.only:
             keep = set(args.only.split(","))
             contenders = [c for c in contenders if c.name in keep]
@@ -403,7 +517,7 @@ async def bench_workload(wl: Workload, args) -> dict:
             best = math.inf
             for _ in range(max(1, args.repeats)):
                 r = await run_step(engine, rcfg, wl, url, one, solo_c,
-                                   new_scheduler(rcfg, solo_c), decode_step_s)
+                                   new_scheduler(rcfg, solo_c), decode_step_s, policy)
                 if r["task_tokens"][tid] != ref["task_tokens"][tid]:
                     raise RuntimeError(f"task {tid} played alone sampled other tokens than in "
                                        "the step: its time alone would bound nothing")
@@ -429,7 +543,10 @@ async def bench_workload(wl: Workload, args) -> dict:
             "identical_tokens": len(sigs) == 1, "tasks": n_tasks, "capacity_tokens": capacity,
             "mean_context": mean_ctx, "pool_cap": pool_cap,
             "solo_bound_s": max(solo.values(), default=0.0), "solo": solo,
-            "end_reasons": runs[contenders[0]][0]["end_reasons"]}
+            "end_reasons": runs[contenders[0]][0]["end_reasons"],
+            # Every task's final context (the sizing run, all tasks in flight) against the pool.
+            "context_tokens": probe["context_tokens"],
+            "pool_over_contexts": capacity / max(1, probe["context_tokens"])}
 
 
 ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
@@ -451,7 +568,7 @@ ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
         ("critical-path bound s", "path_bound_s", "{:.2f}")]
 
 
-def report(res: dict) -> dict:
+def report(res: dict, real: bool = False) -> dict:
     wl, med, cs = res["workload"], res["median"], res["contenders"]
     print(f"\n== {wl.name}: {res['tasks']} tasks ({wl.groups} groups x {wl.group_size}; {wl.suite} "
           f"{' '.join(wl.options)}), max_turns {wl.max_turns}, KV pool {wl.num_pages} pages = "
@@ -459,6 +576,8 @@ def report(res: dict) -> dict:
           f"(pool-sized cap {res['pool_cap']}), env latency {wl.latency.dist}")
     for share in (True, False):
         cols = [c for c in cs if c.share == share]
+        if not cols:  # --noshare-caps none
+            continue
         print(f"{'':30s}" + "".join(f"{c.name:>19s}" for c in cols))
         for label, key, fmt in ROWS:
             print(f"{label:30s}" + "".join(f"{fmt.format(med[c][key]):>19s}" for c in cols))
@@ -513,21 +632,34 @@ def report(res: dict) -> dict:
               f"{o['solo_bound_s']:.2f}s): {step_verdict}")
     out["identical_tokens"] = res["identical_tokens"]
     out["pool_cap"] = res["pool_cap"]
+    if real:
+        print(f"KV pool {res['capacity_tokens']} tokens = {res['pool_over_contexts']:.2f} of the "
+              f"step's final contexts ({res['context_tokens']} tokens over {res['tasks']} tasks, "
+              f"mean {res['context_tokens'] / res['tasks']:.0f})")
+        out["capacity_tokens"] = res["capacity_tokens"]
+        out["context_tokens"] = res["context_tokens"]
+        out["pool_over_contexts"] = round(res["pool_over_contexts"], 3)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workloads", default="textworld,default,webshop")
+    ap.add_argument("--workloads", default="",
+                    help="default: textworld,default,webshop (with --model, REAL_WORKLOADS: "
+                         "webshop,textworld,default)")
+    ap.add_argument("--model", default="",
+                    help="serve this checkpoint (HF folder or .gguf file) instead of the tiny "
+                         "random policy, on REAL_WORKLOADS")
     ap.add_argument("--quick", action="store_true",
                     help="fewer caps and no warm-up runs (a look, not a measurement)")
     ap.add_argument("--sweep", choices=("full", "short"), default="full",
                     help="vanilla caps: full (pool-sized, half and twice it, ~39%%/~78%%/all "
                          "of the tasks) or short (pool-sized, twice it, all tasks; warm-ups kept)")
-    ap.add_argument("--noshare-caps", choices=("all", "pool"), default="all",
+    ap.add_argument("--noshare-caps", choices=("all", "pool", "none"), default="all",
                     help="vanilla caps without sharing: the whole sweep, or the pool-sized "
-                         "cap only (fewer runs; the headline figures are with sharing)")
+                         "cap only (fewer runs; the headline figures are with sharing), or "
+                         "none (no contender without sharing, CTB's included)")
     ap.add_argument("--ctb", default="", help="CTBConfig overrides, e.g. growth_horizon=0.25")
     ap.add_argument("--only", default="",
                     help="run only these contenders (exploration), e.g. ctb+share,vanilla@24+share")
@@ -537,7 +669,7 @@ def main() -> None:
     ap.add_argument("--latency-scale", type=float, default=1.0,
                     help="multiply every workload's env latency (how the result depends on "
                          "the env-wait / compute ratio: a faster or slower machine)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: at least 1 timed run per contender is needed "
                  "(medians, the alone replays); use --repeats 1 for a quick look")
@@ -546,17 +678,27 @@ def main() -> None:
         default = getattr(CTBConfig(), k)
         CTB_OVERRIDES[k] = (v.lower() in ("1", "true")) if isinstance(default, bool) else \
             type(default)(v)
+    table = REAL_WORKLOADS if args.model else WORKLOADS
+    names = args.workloads.split(",") if args.workloads else list(table)
+    if unknown := [n for n in names if n not in table]:
+        ap.error(f"--workloads {','.join(unknown)}: unknown; choose from {','.join(table)}")
     t0 = time.perf_counter()
+    policy = load_policy(args.model)
+    if policy.real:
+        print(f"serving {policy.name}: {policy.model.n_layers} layers, d {policy.model.d_model}, "
+              f"vocab {policy.model.vocab_size}", file=sys.stderr, flush=True)
     summary: dict = {}
-    for name in args.workloads.split(","):
-        wl = WORKLOADS[name]
+    longest: dict[str, float] = {}
+    for name in names:
+        wl = table[name]
         if args.latency_scale != 1.0:
             x = args.latency_scale
             wl = dataclasses.replace(wl, latency=dataclasses.replace(
                 wl.latency, median_s=wl.latency.median_s * x, scale_s=wl.latency.scale_s * x,
                 cap_s=wl.latency.cap_s * x))
-        res = asyncio.run(bench_workload(wl, args))
-        summary[name] = report(res)
+        res = asyncio.run(bench_workload(wl, args, policy))
+        summary[name] = report(res, policy.real)
+        longest[name] = res["context_tokens"] / res["tasks"]
     share = {k: w["share"] for k, w in summary.items() if "share" in w}
     if not share:
         sys.exit("no workload ran CTB and vanilla both with sharing: nothing to compare "
@@ -577,7 +719,17 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - t0, 1),
         "per_workload": summary,
     }
+    if policy.real:
+        # The acceptance for a real model: the workload whose tasks end with the longest
+        # contexts (the most KV to keep or recompute), hit rate >= 1.5x and step <= 0.85x.
+        top = max((k for k in share), key=lambda k: longest[k])
+        head.update({"model": policy.name, "longest_context_workload": top,
+                     "longest_hit_rate_ratio": share[top]["hit_rate_ratio"],
+                     "longest_step_time_ratio": share[top]["step_time_ratio"],
+                     "longest_met": share[top]["hit_rate_ratio"] >= 1.5 and
+                     share[top]["step_time_ratio"] <= 0.85})
     print(json.dumps(head))
+    return head
 
 
 if __name__ == "__main__":
