@@ -315,3 +315,56 @@ def test_multi_image_chat_ids_equal_the_processors_apply_chat_template(tmp_path)
     assert ids.count(vision.image_token_id) == 24 + 15 + 4
     with pytest.raises(ValueError, match=r"grid_thw has 3 images but the ids hold \d"):
         expand_image_placeholders(ours_tok.encode(text)[:-20], ref["image_grid_thw"], vision)
+
+
+def test_packed_row_under_jit_equals_separate_forwards(family):
+    """Two image conversations packed in one row (segment ids 1, 2; positions restart per
+    segment) give each the logits it gets alone, under jit; tolerance 1e-5 (fp32, same
+    arithmetic up to reduction order)."""
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    rng = np.random.default_rng(5)
+    a, b = chat_tokens(grid[:1], [4, 3], rng), chat_tokens(grid[1:], [2, 5], rng)
+    tokens = np.concatenate([a, b])[None]
+    segs = np.concatenate([np.full(len(a), 1), np.full(len(b), 2)])[None]
+    graphdef, state = nnx.split(ours)
+
+    @jax.jit
+    def forward(state, tokens, pos, segs, images):
+        return nnx.merge(graphdef, state)(tokens, pos, segs, images=images)[0]
+
+    packed = forward(state, jnp.asarray(tokens), jnp.asarray(mrope_positions(
+        tokens, grid, ours.cfg, segs)), jnp.asarray(segs), image_input(
+        pixels, grid, ours.cfg.vision, pad_to=pixels.shape[0] + 8))
+    split = int(grid[0].prod())
+    for (lo, hi), px, g in (((0, len(a)), pixels[:split], grid[:1]),
+                            ((len(a), tokens.shape[1]), pixels[split:], grid[1:])):
+        alone = our_logits(ours, ours.cfg, tokens[:, lo:hi], px, g)
+        assert np.abs(np.asarray(packed[:, lo:hi]) - alone).max() <= 1e-5
+
+
+def test_lora_adapts_the_language_model_of_a_vlm(family):
+    """trainer.lora_rank on a VLM: adapters on the language model's projections only; the
+    fresh adapters (B = 0) leave the logits as the base's, non-zero ones change them."""
+    from tiderl.models.lora import LoraSpec
+    from tiderl.models.policy import lora_policy
+
+    name, path, hf, ours = family
+    graphdef, adapters, _ = lora_policy(ours.cfg, LoraSpec(4, 8.0))
+    paths = [p for p, _ in nnx.to_flat_state(adapters)]
+    assert paths and all(p[0] == "layers" for p in paths)
+    base = nnx.state(ours, nnx.Param)
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    images = image_input(pixels, grid, ours.cfg.vision)
+    pos = jnp.asarray(mrope_positions(tokens, grid, ours.cfg))
+
+    def run(adapters):
+        model = nnx.merge(graphdef, adapters, base)
+        return np.asarray(model(jnp.asarray(tokens), pos, jnp.ones(tokens.shape, jnp.int32),
+                                images=images)[0])
+
+    expect = our_logits(ours, ours.cfg, tokens, pixels, grid)
+    assert np.abs(run(adapters) - expect).max() <= 1e-6
+    bumped = jax.tree.map(lambda x: x + 0.05, adapters)
+    assert np.abs(run(bumped) - expect).max() > 1e-3

@@ -147,8 +147,9 @@ def _lora_module(cfg: ModelConfig, spec: LoraSpec, seed: int) -> Decoder:
     if cfg.policy != "decoder":
         raise ConfigError(f"config key 'trainer.lora_rank'={spec.rank} needs the built-in "
                           f"decoder, not model.policy={cfg.policy!r}; set trainer.lora_rank=0")
-    # The base draws from 'params' exactly as without LoRA; the adapters from 'lora'.
-    return Decoder(cfg, rngs=nnx.Rngs(params=seed, lora=seed + 1), lora=spec)
+    # The base draws from 'params' exactly as without LoRA; the adapters from 'lora'. A
+    # vision-language policy gets adapters on its language model only.
+    return policy_class(cfg)(cfg, rngs=nnx.Rngs(params=seed, lora=seed + 1), lora=spec)
 
 
 def lora_policy(cfg: ModelConfig, spec: LoraSpec, *, seed: int = 0, mesh: Mesh | None = None,
