@@ -138,8 +138,8 @@ WORKLOADS = {
 # no schedule has a wait to overlap): as in arXiv 2608.10402's setting, a wait on the env is
 # comparable to a turn's compute (`--latency-scale` moves it). 6 tasks (2 groups of 3), a
 # few turns. Token counts are SmolLM2's (~5 bytes a token on this text). Each pool holds
-# under half of the step's final contexts (measured and printed as `pool / contexts`), and
-# one task's max_context.
+# about half of the step's final contexts or less (measured and printed as `pool /
+# contexts`), and one task's max_context.
 CHAT = ("format=chat",)
 TEXTWORLD_SYSTEM = ("You are playing a text adventure game. Reply with one short command such "
                     "as 'go north', 'open box', 'take key' or 'put key in box', and nothing "
@@ -148,10 +148,10 @@ _REAL = dict(groups=2, group_size=3, action_tokens=4, prefill_buckets=(32, 128),
              decode_buckets=(2, 4, 8))
 REAL_WORKLOADS = {
     # ~50-token system turn, ~25-token page per observation: ~90 tokens after the first
-    # observation, ~+40 a turn, ~250 after 4 turns; 6 tasks end with ~1.5k tokens of context
+    # observation, ~+40 a turn, ~210 after 3 turns; 6 tasks end with ~1.2k tokens of context
     # against a 640-token pool. Heavy-tailed env (Pareto, alpha 1.5, median ~1.6 s, cap 6 s).
     "webshop": Workload(
-        "webshop", "webshop", ("n=8", "guesses=4", "page=120", *CHAT), max_turns=4,
+        "webshop", "webshop", ("n=8", "guesses=3", "page=120", *CHAT), max_turns=3,
         max_context=384, num_pages=40, **_REAL,
         latency=LatencyConfig(dist="pareto", scale_s=1.0, alpha=1.5, cap_s=6.0,
                               start_factor=2.0, seed=1)),

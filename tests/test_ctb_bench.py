@@ -73,7 +73,7 @@ def test_ctb_bench_model_prompts_use_the_checkpoint_chat_template(tmp_path):
     assert policy.real and policy.model.n_layers == 2 and policy.model.vocab_size == 640
     wl = ctb.REAL_WORKLOADS["webshop"]
     system = policy.system(wl)
-    assert system == CHAT_SYSTEM.format(n=8, guesses=4)
+    assert system == CHAT_SYSTEM.format(n=8, guesses=3)
     assert policy.system(ctb.REAL_WORKLOADS["textworld"]) == ctb.TEXTWORLD_SYSTEM
     ids = policy.template.prompt("What is your guess (1-8)?", system=system)
     assert HFTokenizer(ckpt).decode(ids, skip_special=False) == (
