@@ -98,6 +98,9 @@ class SimConfig:
     max_staleness: int = 1
     eval_every: int = 20
     eval_groups: int = 200
+    eval_group_size: int = 4
+    """Samples per evaluation group: the paper's step has 200 eval groups of 4 beside 32
+    training groups of 8 (arXiv 2608.10402, Table 3)."""
     seed: int = 0
     tokens_per_gpu: int = 16384
     """Trainer micro-batch budget per data-parallel rank (tokens)."""
@@ -304,7 +307,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
                                  group_size=cfg.group_size))
     evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
-                      group_size=cfg.group_size)
+                      group_size=cfg.eval_group_size)
     manager = RolloutManager(ranks, sched, env, tmpl, max_turns=max_turns)
     metrics = MetricsSink(run_dir, console=False)
     log, t_real = metrics.log, time.perf_counter()
