@@ -100,7 +100,11 @@ class SimConfig:
     eval_groups: int = 200
     eval_group_size: int = 4
     """Samples per evaluation group: the paper's step has 200 eval groups of 4 beside 32
-    training groups of 8 (arXiv 2608.10402, Table 3)."""
+    training groups of 8 (arXiv 2608.10402, Table 3). They play only under a sampled
+    evaluation (`eval_temperature` > 0); a greedy one plays one task per group."""
+    eval_temperature: float = 0.0
+    """`controller.eval_temperature`: 0 (greedy, the default) plays 200 evaluation tasks a
+    round; > 0 plays `eval_groups × eval_group_size` (the paper's 800)."""
     seed: int = 0
     tokens_per_gpu: int = 16384
     """Trainer micro-batch budget per data-parallel rank (tokens)."""
@@ -303,6 +307,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                             max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
                             console=False, checkpoint_every=0, min_ok_per_group=1,
                             min_groups_per_step=cfg.min_groups_per_step,
+                            eval_temperature=cfg.eval_temperature,
                             time_limit_s=cfg.time_limit_s)
     train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
                                  group_size=cfg.group_size))
