@@ -515,3 +515,21 @@ def test_decode_cost_closure_is_the_cost_model():
                     b = rng.randint(0, 1100)
                     cs = b * rng.randint(1, 16384)
                     assert fast(b, cs) == c.decode(batch=b, context_sum=cs, gpus=gpus)
+
+
+def test_latency_bound_is_half_the_sync_batch_latency_under_staleness_one():
+    """fig8's bound: sync's rollout phase is the batch's tail latency L; under max_staleness s
+    no asynchronous step is shorter than L/(1 + s), so goodput is at most a step's tokens over
+    that (the first step, which also starts the engines, is left out)."""
+    from tiderl.sim.experiments import Result, latency_bound
+
+    steps = [{"t_rollout_start": 0.0, "t_rollout_end": 90.0, "action_tokens": 1,
+              "engine_busy": 1.0}]
+    steps += [{"t_rollout_start": 100.0 * k, "t_rollout_end": 100.0 * k + lat,
+               "action_tokens": tok, "engine_busy": 0.3}
+              for k, (lat, tok) in enumerate([(40.0, 1000), (60.0, 3000)], start=1)]
+    lb = latency_bound(Result({}, steps, {}, 0.0, 0.0), max_staleness=1)
+    assert lb["batch_latency_s"] == 50.0 and lb["step_floor_s"] == 25.0
+    assert lb["goodput_ceiling"] == pytest.approx(2000 / 25.0) and lb["engine_busy"] == 0.3
+    assert latency_bound(Result({}, steps, {}, 0.0, 0.0), max_staleness=2)["step_floor_s"] == \
+        pytest.approx(50.0 / 3)

@@ -244,7 +244,8 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
     _say("\nFigure 15 (tiderl, one 8×H100 node, WebShop): total waits over the run")
     table(rows, ("split", "RWT s", "TWT s", "RWT+TWT s", "goodput tok/s"))
     _say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
-         "(goal here: ERS ≤ 0.32× the best fixed ratio: the best-throughput one, as the paper's)")
+         "(goal here: ERS ≤ 0.32× the best fixed ratio: the best-throughput one, as the "
+         "paper's)")
     if ers is None:
         _say("ours: ERS is not in this build (no planner yet); the fixed-ratio runs above are "
              "the baselines it will be compared with")
