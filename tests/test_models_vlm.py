@@ -453,3 +453,17 @@ def test_cached_decode_after_an_image_prefill_equals_the_full_forward(family):
         logits, cache = forward(ours, tokens[:, t:t + 1], pos[:, t:t + 1],
                                 np.ones((1, 1), np.int32), None, cache_at(t, 1))
         assert np.abs(np.asarray(logits)[:, 0] - full[:, t]).max() <= 1e-5, i
+
+
+def test_query_chunked_vision_attention_equals_dense(family):
+    """The tower with attention 32 queries at a time (padding rows too) gives the dense
+    tower's features within 1e-6 (fp32)."""
+    name, path, hf, ours = family
+    pixels, grid = processed_images()
+    images = image_input(pixels, grid, ours.cfg.vision, pad_to=pixels.shape[0] + 4)
+    run = jax.jit(lambda im, chunk: ours.visual(im, attn_chunk=chunk), static_argnums=1)
+    (dense, deep_dense), (chunked, deep_chunked) = run(images, 0), run(images, 32)
+    n = pixels.shape[0] // 4  # the real rows' merged features
+    assert np.abs(np.asarray(dense - chunked)[:n]).max() <= 1e-6
+    for a, b in zip(deep_dense, deep_chunked, strict=True):
+        assert np.abs(np.asarray(a - b)[:n]).max() <= 1e-6

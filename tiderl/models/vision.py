@@ -36,6 +36,7 @@ from tiderl.models.config import VisionConfig
 from tiderl.models.layers import attend, rms_norm, rotate
 
 NORM_EPS = 1e-6  # both families' vision norms
+ATTN_CHUNK = 1024  # queries per attention chunk over more patches (a 1280×720 frame: 4,784)
 
 
 class ImageInput(NamedTuple):
@@ -192,12 +193,12 @@ class VisionBlock(nnx.Module):
             self.up = Linear(rngs, d, f, ("embed", "mlp"), dtype)
             self.down = Linear(rngs, f, d, ("mlp", "embed"), dtype)
 
-    def __call__(self, x_nd: Array, ang_nf: Array, mask_nn: Array) -> Array:
+    def __call__(self, x_nd: Array, ang_nf: Array, ids_n: Array, chunk: int) -> Array:
         n, h, dh = x_nd.shape[0], self.cfg.n_heads, self.cfg.head_dim
         qkv = self.qkv(self.norm1(x_nd)).reshape(1, n, 3, h, dh)
         q = rotate(qkv[:, :, 0], ang_nf[None])
         k = rotate(qkv[:, :, 1], ang_nf[None])
-        out = attend(q, k, qkv[:, :, 2], mask_nn[None])
+        out = segment_attend(q, k, qkv[:, :, 2], ids_n, chunk)
         x_nd = x_nd + self.proj(out.reshape(n, h * dh))
         y = self.norm2(x_nd)
         act = ACTS[self.cfg.act]
@@ -224,10 +225,37 @@ class PatchMerger(nnx.Module):
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
 
 
-def _same(ids_n: Array) -> Array:
-    """Attend within equal ids; padding rows (id 0) only to themselves."""
-    eye = jnp.eye(ids_n.shape[0], dtype=bool)
-    return ((ids_n[:, None] == ids_n[None, :]) & (ids_n != 0)[None, :]) | eye
+def _same(ids_c: Array, at_c: Array, ids_n: Array) -> Array:
+    """[c, N]: queries (ids `ids_c` at rows `at_c`) attend to keys of equal id; padding rows
+    (id 0) only to themselves."""
+    eye = at_c[:, None] == jnp.arange(ids_n.shape[0])[None, :]
+    return ((ids_c[:, None] == ids_n[None, :]) & (ids_n != 0)[None, :]) | eye
+
+
+def segment_attend(q_1nhd: Array, k_1nhd: Array, v_1nhd: Array, ids_n: Array,
+                   chunk: int) -> Array:
+    """Bidirectional attention within segments (`ids_n`: frame or window ids), `chunk` queries
+    at a time when N exceeds it (each chunk's [H, chunk, N] scores recomputed in the backward,
+    as `layers.attend_query_chunked`): a screenshot's thousands of patches never hold an
+    [H, N, N] score array. 0 = dense."""
+    n = ids_n.shape[0]
+    at_n = jnp.arange(n)
+    if not chunk or n <= chunk:
+        return attend(q_1nhd, k_1nhd, v_1nhd, _same(ids_n, at_n, ids_n)[None])
+    m = -(-n // chunk)
+    pad = m * chunk - n
+    q_m1chd = jnp.pad(q_1nhd, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(
+        1, m, chunk, *q_1nhd.shape[2:]).swapaxes(0, 1)
+    ids_mc = jnp.pad(ids_n, (0, pad)).reshape(m, chunk)
+    at_mc = jnp.arange(m * chunk).reshape(m, chunk)
+
+    @jax.checkpoint
+    def one(xs):
+        q, ids_c, at_c = xs
+        return attend(q, k_1nhd, v_1nhd, _same(ids_c, at_c, ids_n)[None])
+
+    out = jax.lax.map(one, (q_m1chd, ids_mc, at_mc))
+    return out.swapaxes(0, 1).reshape(1, m * chunk, *q_1nhd.shape[2:])[:, :n]
 
 
 class VisionTower(nnx.Module):
@@ -257,7 +285,9 @@ class VisionTower(nnx.Module):
         return jnp.concatenate([pos[:, :1] * inv, pos[:, 1:] * inv], axis=-1)
 
     def __call__(self, images: ImageInput, compute_dtype: Any = jnp.float32,
-                 ) -> tuple[Array, tuple[Array, ...]]:
+                 attn_chunk: int = ATTN_CHUNK) -> tuple[Array, tuple[Array, ...]]:
+        """(merged features [N/m², out_dim], deepstack features); attention runs
+        `attn_chunk` queries at a time over more patches than that (0: dense)."""
         cfg = self.cfg
         x = self.patch(images.patches_nf.astype(compute_dtype))
         if cfg.num_position_embeddings:
@@ -266,11 +296,11 @@ class VisionTower(nnx.Module):
                   * images.weights_n4[..., None]).sum(1)
             x = x + pe.astype(x.dtype)
         ang = self.angles(images.pos_n2)
-        full = _same(images.frame_n)
-        windowed = _same(images.window_n) if cfg.kind == "qwen2_5_vl" else full
+        windowed = images.window_n if cfg.kind == "qwen2_5_vl" else images.frame_n
         deep = []
         for i, block in enumerate(self.blocks):
-            x = block(x, ang, full if i in cfg.fullatt_blocks else windowed)
+            ids = images.frame_n if i in cfg.fullatt_blocks else windowed
+            x = block(x, ang, ids, attn_chunk)
             if i in cfg.deepstack_blocks:
                 deep.append(self.deepstack[cfg.deepstack_blocks.index(i)](x))
         return self.merger(x), tuple(deep)
