@@ -263,6 +263,30 @@ def test_config_errors():
         ModelConfig(d_model=64, vision=VisionConfig(out_dim=32))
     with pytest.raises(ConfigError, match="fullatt_blocks"):
         VisionConfig(depth=2, fullatt_blocks=(2,))
+    with pytest.raises(ConfigError, match="scan_layers"):
+        ModelConfig(d_model=64, scan_layers=True, vision=VisionConfig(deepstack_blocks=(0,)))
+
+
+@pytest.mark.slow
+def test_scanned_layers_layout_computes_the_same_and_exports_the_same(tmp_path):
+    """model.scan_layers on Qwen2.5-VL: stacked language layers, the tower as it is; the same
+    logits (exactly, here) and a byte-equal export."""
+    from safetensors.numpy import load_file
+
+    hf = make_hf("qwen2_5_vl", tmp_path / "src")
+    ours = from_pretrained(tmp_path / "src")
+    scanned = from_pretrained(tmp_path / "src", scan_layers=True)
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [5, 7, 4], np.random.default_rng(1))[None]
+    diff = np.abs(our_logits(scanned, scanned.cfg, tokens, pixels, grid)
+                  - our_logits(ours, ours.cfg, tokens, pixels, grid)).max()
+    assert diff <= 1e-6
+    assert np.abs(our_logits(ours, ours.cfg, tokens, pixels, grid)
+                  - hf_logits(hf, tokens, pixels, grid)).max() <= TOL
+    src = load_file(str(tmp_path / "src" / "model.safetensors"))
+    out = load_file(str(save_pretrained(scanned, tmp_path / "out") / "model.safetensors"))
+    assert sorted(src) == sorted(out)
+    assert all(np.array_equal(src[k], out[k]) for k in src)
 
 
 @pytest.mark.slow

@@ -197,6 +197,10 @@ class ModelConfig:
             raise ConfigError(f"config key 'model.vision.out_dim'={self.vision.out_dim} must "
                               f"equal model.d_model={self.d_model} (merged image features "
                               "replace token embeddings); set it so")
+        if self.vision is not None and self.vision.deepstack_blocks and self.scan_layers:
+            raise ConfigError("config key 'model.scan_layers'=true cannot carry Qwen3-VL's "
+                              "deepstack features into the first layers (model.vision."
+                              "deepstack_blocks); set model.scan_layers=false")
         if self.vision is not None and self.policy != "decoder":
             raise ConfigError(f"config key 'model.vision' needs the built-in policy, not "
                               f"model.policy={self.policy!r}; set model.vision=null")
