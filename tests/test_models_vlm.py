@@ -491,3 +491,27 @@ def test_query_chunked_vision_attention_equals_dense(family):
     assert np.abs(np.asarray(dense - chunked)[:n]).max() <= 1e-6
     for a, b in zip(deep_dense, deep_chunked, strict=True):
         assert np.abs(np.asarray(a - b)[:n]).max() <= 1e-6
+
+
+def test_the_older_flat_qwen2_5_vl_config_loads_and_exports(tmp_path):
+    """Qwen2.5-VL checkpoints on the Hub keep the text keys at the top of config.json with
+    rope_scaling {type: mrope, mrope_section}; they load as the nested form does, and an export
+    on top of one is nested and loads in transformers with the same logits."""
+    src = tmp_path / "src"
+    hf = make_hf("qwen2_5_vl", src)
+    nested = json.loads((src / "config.json").read_text())
+    text = nested.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**nested, **text, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (src / "config.json").write_text(json.dumps(flat))
+    ours = from_pretrained(src)
+    assert ours.cfg.mrope_section == (2, 3, 3) and ours.cfg.rope_theta == rope["rope_theta"]
+    out = save_pretrained(ours, tmp_path / "out", base_config=flat)
+    written = json.loads((out / "config.json").read_text())
+    assert "rope_scaling" not in written and "num_attention_heads" not in written
+    again = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    pixels, grid = processed_images()
+    tokens = chat_tokens(grid, [3, 2, 2], np.random.default_rng(4))[None]
+    np.testing.assert_array_equal(hf_logits(again, tokens, pixels, grid),
+                                  hf_logits(hf, tokens, pixels, grid))

@@ -133,8 +133,9 @@ def vlm_hf_config(cfg: ModelConfig, text_hf: dict[str, Any],
     else:
         vision.update(num_position_embeddings=v.num_position_embeddings,
                       deepstack_visual_indexes=list(v.deepstack_blocks))
-    for k in ("vocab_size", "hidden_size", "num_hidden_layers"):  # the old flat form's keys
-        hf.pop(k, None)
+    if base is not None and "text_config" not in base:  # the older flat form: its text keys
+        for k in (*text, "rope_scaling", "architectures"):  # move into text_config
+            hf.pop(k, None)
     hf.update({"architectures": [arch], "model_type": VLM_MODEL_TYPES[arch],
                "text_config": text, "vision_config": vision,
                "image_token_id": v.image_token_id,
