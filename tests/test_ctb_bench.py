@@ -58,6 +58,11 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     assert w["capacity_tokens"] == wl.num_pages * 16
     assert w["context_tokens"] > w["capacity_tokens"] and w["pool_over_contexts"] < 1
     assert any("KV pool" in line and "of the step's final contexts" in line for line in out)
+    # No contender beats the hit rate of computing only first-time tokens.
+    assert w["share"]["hit_rate_ctb"] <= w["hit_rate_no_recompute"] + 1e-9
+    assert w["share"]["hit_rate_vanilla"] <= w["hit_rate_no_recompute"] + 1e-9
+    assert w["share"]["hit_target_1_5x_within_no_recompute"] == (
+        1.5 * w["share"]["hit_rate_vanilla"] <= w["hit_rate_no_recompute"])
 
 
 def test_ctb_bench_model_prompts_use_the_checkpoint_chat_template(tmp_path):
