@@ -154,13 +154,13 @@ def _readme_real_model_commands() -> list[str]:
             if line.startswith("python ")]
 
 
-# Fewer steps: one update, a small held-out set. Everything else is the README's command.
+# Fewer steps: one update, one seed, a small held-out set. Everything else is the README's.
 _FEWER = {"tiderl.launch": ["controller.steps=1", "controller.eval_every=1",
                             "env.eval_groups=4", "controller.time_limit_s=0"],
-          "learn_real.py": ["--updates", "1", "--set", "env.eval_groups=4"]}
+          "learn_real.py": ["--seeds", "0", "--updates", "1", "--set", "env.eval_groups=4"]}
 
 
-@pytest.mark.slow  # two real-model processes (SmolLM2-135M): ~2 min each on an idle 2-core CPU
+@pytest.mark.slow  # two real-model processes (SmolLM2-135M): ~2-3 min each on a 2-core CPU
 @pytest.mark.timeout(1500)
 def test_the_readme_real_model_commands_run_with_fewer_steps(tmp_path):
     import os
