@@ -156,7 +156,8 @@ class ModelConfig:
     vision: VisionConfig | None = None
     """The vision tower of a vision-language policy (models/vlm.py); null: text only."""
     train_vision: bool = True
-    """Train the vision tower; false freezes it (its parameters get no gradient)."""
+    """Train the vision tower; false freezes it (its parameters get no gradient, no optimizer
+    update — weight decay included — and no optimizer state)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",

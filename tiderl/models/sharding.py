@@ -93,10 +93,12 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_params: Any,
                         param_shardings: Any, mesh: Mesh) -> Any:
-    """Shardings of `tx.init(params)`: moments follow their parameter, the rest replicated."""
+    """Shardings of `tx.init(params)`: moments follow their parameter, the rest replicated.
+    A parameter the optimizer masks out (`optax.MaskedNode`: no state) stays masked."""
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
     return optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings,
-        transform_non_params=lambda _: replicated,
+        tx, lambda x, s: x if masked(x) else s, abstract_opt, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=masked,
     )

@@ -219,14 +219,15 @@ class TrainerBackend:
             self.ref_mesh = ref_mesh
         self.mode: Literal["decoupled", "colocated"] = (
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
+        frozen = self.frozen_params()
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
                self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk,
-               self.cfg.remat_group, self.lora)
+               self.cfg.remat_group, self.lora, frozen)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
             # modes of the same job (VS/VSO/CM, tests) share the compilation.
-            tx = make_optimizer(self.cfg)
+            tx = make_optimizer(self.cfg, frozen)
             sh = train_shardings(self._abstract, tx, actor_mesh, self._frozen_abstract)
             ref_sh = state_shardings(self._abstract if self._frozen_abstract is None
                                      else self._frozen_abstract, self.ref_mesh)
@@ -240,6 +241,14 @@ class TrainerBackend:
         cached = key in _KERNELS
         self.tx, self.sh, self.ref_param_sh, self.k = _kernels(key, build)
         return cached
+
+    def frozen_params(self) -> tuple[str, ...]:
+        """Top-level params the optimizer leaves alone: the vision tower under
+        `model.train_vision=false` (under LoRA the params are the adapters: nothing)."""
+        m = self.model_cfg
+        if self.lora is None and m.vision is not None and not m.train_vision:
+            return ("visual",)
+        return ()
 
     def _decide_offload(self) -> bool:
         if self.cfg.offload != "auto":

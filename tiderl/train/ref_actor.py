@@ -74,12 +74,32 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW under a warmup + constant/cosine schedule."""
+def make_optimizer(cfg: TrainerConfig, frozen: tuple[str, ...] = ()
+                   ) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW under a warmup + constant/cosine schedule.
+
+    `frozen`: top-level parameter names (e.g. "visual", a frozen vision tower) that get no
+    update at all and no optimizer state: AdamW's weight decay would otherwise shrink them
+    even with a zero gradient."""
     parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    parts.append(optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
-                             eps=cfg.adam_eps, weight_decay=cfg.weight_decay))
+    adamw = optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
+                        eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if frozen:
+        adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()},
+                                      lambda params: frozen_labels(params, frozen))
+    parts.append(adamw)
     return optax.chain(*parts)
+
+
+def frozen_labels(params: Any, frozen: tuple[str, ...]) -> Any:
+    """"frozen" on every leaf under a top-level name in `frozen`, "train" elsewhere."""
+
+    def label(path: tuple, _: Any) -> str:
+        top = path[0]
+        name = getattr(top, "key", getattr(top, "name", None))
+        return "frozen" if name in frozen else "train"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def make_schedule(cfg: TrainerConfig) -> optax.Schedule:
