@@ -101,6 +101,37 @@ async def test_textworld_walkthrough_reaches_full_score(tmp_path):
     assert other != commands
 
 
+def test_textworld_chat_form_plays_the_valid_action_a_reply_names_earliest():
+    from tiderl.envs.adapters.textworld import TextWorldGame, named_command
+
+    valid = ["look", "look at box", "go south", "take key"]
+    assert named_command("Sure! I will go south, then take key.", valid) == "go south"
+    assert named_command("LOOK AT BOX please", valid) == "look at box"  # longest at a position
+    assert named_command("go southwest", valid) is None  # word boundaries
+    assert named_command("take the key", valid) is None
+    with pytest.raises(ValueError, match="format=chat .* set admissible=true"):
+        TextWorldGame({"format": "chat"})
+    with pytest.raises(ValueError, match="format='json' must be 'text' or 'chat'"):
+        TextWorldGame({"format": "json", "admissible": "true"})
+
+
+@pytest.mark.slow
+async def test_textworld_chat_form_wins_with_the_walkthrough_in_sentences(tmp_path):
+    from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape, walkthrough
+
+    task = {"task_id": "tw0", "seed": 3, "rooms": 1, "objects": 2, "quest_length": 1}
+    async with suite("textworld", "admissible=true", "format=chat",
+                     state_dir=str(tmp_path)) as env:
+        s = await env.start(task)
+        assert s.ok and "Valid actions: " in s.observation, s
+        commands = walkthrough(compile_game(game_shape(task, {}), cache_dir_of(str(tmp_path))))
+        for i, cmd in enumerate(commands):
+            r = await env.step(s.session, f"Sure. I think I should {cmd.upper()} now.")
+            assert r.ok and r.done == (i == len(commands) - 1), (cmd, r)
+        end = await env.end(s.session)
+    assert end.reward == 1.0 and end.info["won"]
+
+
 async def test_textarena_guess_the_number_by_bisection_wins():
     async with suite("textarena", "game=GuessTheNumber-v0") as env:
         s = await env.start({"seed": 3})

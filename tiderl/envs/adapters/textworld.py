@@ -7,7 +7,10 @@ GRPO group of 8 compiles once. The cache is `textworld/` in the env server's own
 temporary folder), never a path a client names. It is bounded: after each compile, games not
 used for `cache_max_age_h` hours (suite option, default 168) go, then the least recently used
 ones until the folder holds at most `cache_max_mb` MB (default 1024). Both are server-side
-options; clients may set only rooms, objects, quest_length and admissible.
+options; clients may set only rooms, objects, quest_length, admissible and format.
+`format=chat` (with `admissible=true`) reads a chat model's reply leniently, as the default
+task's chat form reads its first integer: the valid action named earliest in the reply is played
+("I will go south." plays `go south`); a reply naming none is played as written.
 Reward: the in-game score normalised by the maximum score, so playing the walkthrough ends
 with reward 1.0.
 """
@@ -153,12 +156,23 @@ def _number(options: Mapping[str, Any], name: str, default: float) -> float:
     return value
 
 
+def named_command(reply: str, commands: Any) -> str | None:
+    """The command of `commands` named earliest in `reply` (case-insensitive, on word
+    boundaries; at one position the longest), or None."""
+    best: tuple[int, int, str] | None = None
+    for cmd in commands:
+        m = re.search(r"(?<![\w])" + re.escape(cmd.lower()) + r"(?![\w])", reply.lower())
+        if m and (best is None or (m.start(), -len(cmd)) < best[:2]):
+            best = (m.start(), -len(cmd), cmd)
+    return best[2] if best else None
+
+
 class TextWorldGame(Adapter):
     """One TextWorld episode; task fields: seed, rooms, objects, quest_length."""
 
     blocking = True  # generating and compiling a game takes seconds: run in a worker thread
     max_workers = 1  # TextWorld/jericho sessions are not thread-safe
-    client_options = frozenset({"rooms", "objects", "quest_length", "admissible"})
+    client_options = frozenset({"rooms", "objects", "quest_length", "admissible", "format"})
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
@@ -170,6 +184,12 @@ class TextWorldGame(Adapter):
         hours = _number(self.options, "cache_max_age_h", 168.0)
         self.cache_max_bytes, self.cache_max_age_s = int(mb * (1 << 20)), hours * 3600.0
         self.admissible = self.options.get("admissible", "false").lower() in ("1", "true")
+        self.format = self.options.get("format", "text")
+        if self.format not in ("text", "chat"):
+            raise ValueError(f"suite option format={self.format!r} must be 'text' or 'chat'")
+        if self.format == "chat" and not self.admissible:
+            raise ValueError("suite option format=chat reads replies against the valid actions: "
+                             "set admissible=true too")
         self.env: Any = None
         self.state: Any = None
         self.game_file = ""
@@ -206,6 +226,8 @@ class TextWorldGame(Adapter):
         # The game interpreter takes printable ASCII only: a NUL byte kills it, and control
         # bytes or backslashes act as interpreter hot keys. An untrained policy emits all three.
         command = "".join(c for c in action if " " <= c <= "~" and c != "\\").strip()
+        if self.format == "chat":
+            command = named_command(command, self.state.admissible_commands or ()) or command
         self.state, _, done = self.env.step(command)
         reward = float(self.state.score - before) / max(1, self.state.max_score)
         return Step(self._observe(self.state), bool(done), reward)
