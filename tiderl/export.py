@@ -48,8 +48,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     import jax
     from flax import nnx
 
-    from tiderl.models.decoder import DTYPES, Decoder
+    from tiderl.models.decoder import DTYPES
     from tiderl.models.hf import ARCHITECTURES, read_hf_config, save_pretrained
+    from tiderl.models.policy import policy_class
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -59,7 +60,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     cfg, graphdef, params = rp.model, rp.graphdef, rp.params
     if dtype is not None and dtype != cfg.param_dtype:
         cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)  # type: ignore[arg-type]
-        graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))[0]
+        cls = policy_class(cfg)
+        graphdef = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))[0]
         params = jax.tree.map(lambda x: x.astype(DTYPES[dtype]), params)
     base, arch = None, None
     src = Path(rp.run.model.checkpoint) if rp.run.model.checkpoint else None

@@ -25,7 +25,8 @@ class RunParams(NamedTuple):
     """The model config the params were trained with (the checkpoint's own record)."""
     graphdef: Any
     params: Any
-    """nnx.State of the built-in Decoder, on the host CPU or in its shardings on `mesh`."""
+    """nnx.State of the built-in Decoder (or VLM), on the host CPU or in its shardings on
+    `mesh`."""
     step: int
 
 
@@ -48,13 +49,13 @@ def _host_device() -> Any:
 
 
 def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, Any, Any]:
-    """The ModelConfig whose Decoder matches the checkpoint's saved params, with its
-    (graphdef, abstract state). The checkpoint's own model record comes first; a run started
+    """The ModelConfig whose policy (Decoder, or VisionLanguageModel) matches the checkpoint's
+    saved params, with its (graphdef, abstract state). The checkpoint's own model record comes first; a run started
     from an HF `model.checkpoint` is also tried with that folder's config.json."""
     from flax import nnx
 
-    from tiderl.models.decoder import Decoder
     from tiderl.models.hf import load_hf_config
+    from tiderl.models.policy import policy_class
     from tiderl.train.checkpoint import _structure
 
     # A LoRA run saves its frozen base beside the adapters' train state: the base is the model.
@@ -72,7 +73,8 @@ def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, 
             yield dataclasses.replace(hf, compute_dtype=m.compute_dtype, tokenizer=m.tokenizer)
 
     for cfg in candidates():
-        abstract = nnx.eval_shape(lambda c=cfg: Decoder(c, rngs=nnx.Rngs(0)))
+        # The built-in decoder, or its vision-language form when the config has a tower.
+        abstract = nnx.eval_shape(lambda c=cfg: policy_class(c)(c, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract)
         if _structure(state) == saved:
             return cfg, graphdef, state
