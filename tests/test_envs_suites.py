@@ -102,17 +102,22 @@ async def test_textworld_walkthrough_reaches_full_score(tmp_path):
 
 
 def test_textworld_chat_form_plays_the_valid_action_a_reply_names_earliest():
-    from tiderl.envs.adapters.textworld import TextWorldGame, named_command
+    from tiderl.envs.adapters.textworld import TextWorldGame, chosen_command, named_command
 
     valid = ["look", "look at box", "go south", "take key"]
     assert named_command("Sure! I will go south, then take key.", valid) == "go south"
     assert named_command("LOOK AT BOX please", valid) == "look at box"  # longest at a position
     assert named_command("go southwest", valid) is None  # word boundaries
     assert named_command("take the key", valid) is None
+    assert chosen_command("3) go south", valid) == "go south"  # the number, 1-based
+    assert chosen_command("I take key, not 3", valid) == "take key"  # a name first
+    assert chosen_command("9", valid) is None and chosen_command("hm", valid) is None
     with pytest.raises(ValueError, match="format=chat .* set admissible=true"):
         TextWorldGame({"format": "chat"})
     with pytest.raises(ValueError, match="format='json' must be 'text' or 'chat'"):
         TextWorldGame({"format": "json", "admissible": "true"})
+    with pytest.raises(ValueError, match="format_bonus=1.0 must be in"):
+        TextWorldGame({"format": "chat", "admissible": "true", "format_bonus": "1"})
 
 
 @pytest.mark.slow
@@ -120,16 +125,24 @@ async def test_textworld_chat_form_wins_with_the_walkthrough_in_sentences(tmp_pa
     from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape, walkthrough
 
     task = {"task_id": "tw0", "seed": 3, "rooms": 1, "objects": 2, "quest_length": 1}
-    async with suite("textworld", "admissible=true", "format=chat",
+    async with suite("textworld", "admissible=true", "format=chat", "format_bonus=0.1",
                      state_dir=str(tmp_path)) as env:
         s = await env.start(task)
-        assert s.ok and "Valid actions: " in s.observation, s
+        assert s.ok and "\nValid actions:\n1. " in s.observation, s
         commands = walkthrough(compile_game(game_shape(task, {}), cache_dir_of(str(tmp_path))))
         for i, cmd in enumerate(commands):
             r = await env.step(s.session, f"Sure. I think I should {cmd.upper()} now.")
             assert r.ok and r.done == (i == len(commands) - 1), (cmd, r)
         end = await env.end(s.session)
-    assert end.reward == 1.0 and end.info["won"]
+        assert end.reward == 1.0 and end.info["won"]  # a win pays 1.0, no bonus on top
+        # A failed episode: one reply is the number of a valid action, one names none.
+        s = await env.start(task)
+        listed = s.observation.split("Valid actions:\n")[1].splitlines()
+        n = next(i for i, line in enumerate(listed, 1) if line.split(". ", 1)[1] == "look")
+        assert not (await env.step(s.session, f"{n}.")).done
+        assert not (await env.step(s.session, "Hello there!")).done
+        end = await env.end(s.session)
+    assert end.reward == pytest.approx(0.1 * 1 / 2) and end.info["valid_turns"] == 1
 
 
 async def test_textarena_guess_the_number_by_bisection_wins():

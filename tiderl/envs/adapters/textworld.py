@@ -7,10 +7,15 @@ GRPO group of 8 compiles once. The cache is `textworld/` in the env server's own
 temporary folder), never a path a client names. It is bounded: after each compile, games not
 used for `cache_max_age_h` hours (suite option, default 168) go, then the least recently used
 ones until the folder holds at most `cache_max_mb` MB (default 1024). Both are server-side
-options; clients may set only rooms, objects, quest_length, admissible and format.
-`format=chat` (with `admissible=true`) reads a chat model's reply leniently, as the default
-task's chat form reads its first integer: the valid action named earliest in the reply is played
-("I will go south." plays `go south`); a reply naming none is played as written.
+options; clients may set only rooms, objects, quest_length, admissible, format and format_bonus.
+`format=chat` (with `admissible=true`) is the game for a pretrained chat model, as the default
+task's chat form is: the valid actions are a numbered list, and a reply is read leniently — the
+valid action it names earliest ("I will go south." plays `go south`), else the action whose
+number is the reply's first integer ("2) examine key"), else the reply as written. A small
+instruct model copies a numbered choice far more often than a command (SmolLM2-135M: 12 of 32
+replies vs 0-4 of 32). `format_bonus=B` (chat form; default 0) pays a failed episode
+B × (turns whose reply was a valid action / turns), so reading the list earns reward before a
+win does; a win pays what it pays, and evaluation counts wins.
 Reward: the in-game score normalised by the maximum score, so playing the walkthrough ends
 with reward 1.0.
 """
@@ -167,12 +172,26 @@ def named_command(reply: str, commands: Any) -> str | None:
     return best[2] if best else None
 
 
+def chosen_command(reply: str, commands: Any) -> str | None:
+    """What a chat-form reply plays: the command it names earliest, else the command numbered
+    by its first integer (1-based), else None."""
+    commands = list(commands)
+    named = named_command(reply, commands)
+    if named is not None:
+        return named
+    number = re.search(r"\d+", reply)
+    if number and 1 <= int(number.group()) <= len(commands):
+        return commands[int(number.group()) - 1]
+    return None
+
+
 class TextWorldGame(Adapter):
     """One TextWorld episode; task fields: seed, rooms, objects, quest_length."""
 
     blocking = True  # generating and compiling a game takes seconds: run in a worker thread
     max_workers = 1  # TextWorld/jericho sessions are not thread-safe
-    client_options = frozenset({"rooms", "objects", "quest_length", "admissible", "format"})
+    client_options = frozenset({"rooms", "objects", "quest_length", "admissible", "format",
+                                "format_bonus"})
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
@@ -190,6 +209,10 @@ class TextWorldGame(Adapter):
         if self.format == "chat" and not self.admissible:
             raise ValueError("suite option format=chat reads replies against the valid actions: "
                              "set admissible=true too")
+        self.format_bonus = float(self.options.get("format_bonus", "0"))
+        if not 0.0 <= self.format_bonus < 1.0:
+            raise ValueError(f"suite option format_bonus={self.format_bonus} must be in [0, 1)")
+        self.turns = self.valid_turns = 0
         self.env: Any = None
         self.state: Any = None
         self.game_file = ""
@@ -211,12 +234,17 @@ class TextWorldGame(Adapter):
                                    moves=True, admissible_commands=self.admissible)
         self.env = textworld.start(self.game_file, request_infos=infos)
         self.state = self.env.reset()
+        self.turns = self.valid_turns = 0
         return self._observe(self.state)
 
     def _observe(self, state: Any) -> str:
         text = _clean(state.feedback)
         if self.admissible and state.admissible_commands:
-            text += "\nValid actions: " + ", ".join(state.admissible_commands)
+            if self.format == "chat":
+                text += "\nValid actions:\n" + "\n".join(
+                    f"{i}. {c}" for i, c in enumerate(state.admissible_commands, 1))
+            else:
+                text += "\nValid actions: " + ", ".join(state.admissible_commands)
         return text
 
     def step(self, action: str) -> Step:
@@ -227,7 +255,10 @@ class TextWorldGame(Adapter):
         # bytes or backslashes act as interpreter hot keys. An untrained policy emits all three.
         command = "".join(c for c in action if " " <= c <= "~" and c != "\\").strip()
         if self.format == "chat":
-            command = named_command(command, self.state.admissible_commands or ()) or command
+            chosen = chosen_command(command, self.state.admissible_commands or ())
+            self.turns += 1
+            self.valid_turns += chosen is not None
+            command = chosen or command
         self.state, _, done = self.env.step(command)
         reward = float(self.state.score - before) / max(1, self.state.max_score)
         return Step(self._observe(self.state), bool(done), reward)
@@ -241,4 +272,9 @@ class TextWorldGame(Adapter):
                 "game": os.path.basename(self.game_file)}
         self.env.close()
         self.env = None
-        return float(score) / max(1, max_score), info
+        reward = float(score) / max(1, max_score)
+        if self.format_bonus and not self.state.won and self.turns:
+            info["valid_turns"] = self.valid_turns
+            # Below a win's 1.0 always: evaluation counts rewards of 1.0 as wins.
+            reward = min(0.99, reward + self.format_bonus * self.valid_turns / self.turns)
+        return reward, info
