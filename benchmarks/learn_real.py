@@ -46,14 +46,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = ROOT / "configs" / "smollm2-guess.yaml"
 
-TEXTWORLD_SYSTEM = ("You are playing a text adventure game. Reply with one short command such "
-                    "as 'go north', 'open box', 'take key' or 'put key in box', and nothing "
-                    "else.")
+TEXTWORLD_SYSTEM = ("You are playing a text adventure game. Choose one of the numbered valid "
+                    "actions and reply with its number only.")
 TASKS: dict[str, list[str]] = {
     "guess": [],
     "textworld": ["env.suite=textworld",
-                  "env.options=[rooms=2,objects=2,quest_length=2,admissible=true]",
-                  "env.max_turns=6", "rollout.max_action_tokens=12", "rollout.max_context=1024",
+                  "env.options=[rooms=1,objects=2,quest_length=1,admissible=true,format=chat,"
+                  "format_bonus=0.1]",
+                  "env.max_turns=4", "rollout.max_action_tokens=12", "rollout.max_context=1024",
                   "rollout.prefill_buckets=[128,512,1024]", "rollout.num_pages=512",
                   "trainer.row_len=1024", "trainer.rows_per_rank=2",
                   f"controller.system_prompt={TEXTWORLD_SYSTEM}", "env.eval_groups=16"],
