@@ -25,7 +25,7 @@ NO_JAX = [
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
     "tiderl.serving.pages", "tiderl.serving.tasktable", "tiderl.serving.taskstats",
     "tiderl.serving.ctb_config", "tiderl.serving.valve", "tiderl.serving.preempt",
-    "tiderl.serving.vanilla",
+    "tiderl.serving.vanilla", "tiderl.serving.mrope", "tiderl.models.vision_inputs",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
     "tiderl.train.advantages",
     "tiderl.runtime.world", "tiderl.runtime.channel", "tiderl.runtime.cells", "tiderl.runtime.wire", "tiderl.runtime.remote_rank",

@@ -53,11 +53,21 @@ whole life; it holds the context as token ids (token in, token out) and where it
   tokens computed by reason (new / evicted / version), pages in use and shared. Per task,
   `Prefix.versions` holds the weight version of each sampled token and
   `prefill_computed` / `prefill_cached` the last prefill's accounting.
+- Vision-language policies (`model.vision`): a request's `images` (`PatchedImage`s: patch rows
+  and grid) are the images of its new tokens' placeholder runs, in order; the handle keeps them
+  (`Prefix.images`, host memory) for its whole life. Prefill runs the vision tower once per call
+  over every image some row computes (batched across tasks, padded to a patch bucket;
+  serving/imagefeed.py), image tokens enter the paged KV like text, and a chunk holding image
+  tokens runs at its [B, T, 3] M-RoPE positions; text, decode included, runs at token index +
+  `Prefix.rope_delta` (serving/mrope.py). After an eviction, a flush or a migration the images
+  are encoded again; forks inherit them; prefix sharing stops at the first image two contexts
+  do not share (equal placeholder ids, different pixels).
 - Compilation: decode traces once per (decode bucket, page-table width), prefill once per
-  (batch bucket, length bucket, width); a call's page table is cut to its longest context's
-  pages rounded up to a power of two (so at most log2(max_pages_per_slot) + 1 widths; the
-  Pallas decode kernel keeps the full width); engines of one model and config in a process
-  share compiled kernels.
+  (batch bucket, length bucket, width) and, for chunks holding image tokens, once more
+  ("prefill+image"); the vision tower once per patch bucket; a call's page table is cut to
+  its longest context's pages rounded up to a power of two (so at most
+  log2(max_pages_per_slot) + 1 widths; the Pallas decode kernel keeps the full width);
+  engines of one model and config in a process share compiled kernels.
 - Not thread-safe: drive an engine from one thread (the rank's device worker).
 """
 
@@ -78,6 +88,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
 from tiderl.serving.config import RolloutConfig
+from tiderl.serving.imagefeed import (
+    ImageFeatures,
+    make_encoder,
+    make_mm_inputs,
+    needed_spans,
+    text_delta,
+)
 from tiderl.serving.kv import (
     KVPools,
     PagedKV,
@@ -86,6 +103,7 @@ from tiderl.serving.kv import (
     pool_pages,
     resolve_decode_attention,
 )
+from tiderl.serving.mrope import ImageSpan, context_key, spans_in
 from tiderl.serving.pages import (
     EngineCounters,
     PageAllocator,
@@ -129,17 +147,22 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
     trace_counts: collections.Counter = collections.Counter()
 
     def step(params, pools, run_key, tokens_bt, start_b, n_new_b, page_table_bp, task_ids_b,
-             temperature_b):
+             temperature_b, delta_b, positions_bt3=None, inputs=None):
         # Python side effect: runs once per trace.
-        trace_counts[(kind, *tokens_bt.shape, page_table_bp.shape[1])] += 1
+        name = kind if positions_bt3 is None else kind + "+image"
+        trace_counts[(name, *tokens_bt.shape, page_table_bp.shape[1])] += 1
         model = nnx.merge(graphdef, params)
-        positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1])
+        # Text at token index + the task's M-RoPE delta (0 without images, as plain RoPE); a
+        # chunk holding image placeholders comes with its [B, T, 3] positions and embeddings.
+        positions_bt = ((start_b + delta_b)[:, None] + jnp.arange(tokens_bt.shape[1])
+                        if positions_bt3 is None else positions_bt3)
         cache = PagedKV(pools, page_table_bp, start_b, n_new_b, impl=impl, interpret=interpret)
         last_b = jnp.maximum(n_new_b - 1, 0)
         if hasattr(model, "hidden_states") and hasattr(model, "logits"):
+            kw = {} if inputs is None else {"inputs_btd": inputs[0], "layer_adds": inputs[1]}
             # The head only where a token is sampled: B×V logits, never B×T×V.
             h_btd, cache = model.hidden_states(tokens_bt, positions_bt, jnp.ones_like(tokens_bt),
-                                               cache=cache)
+                                               cache=cache, **kw)
             h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
             logits_bv = model.logits(h_b1d)[:, 0]
         else:  # a custom policy: full logits, then the sampled position's
@@ -266,6 +289,12 @@ class Engine:
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
         self._sample_fn = make_sampler(top_k=cfg.top_k, top_p=cfg.top_p)
+        # A vision-language policy: the tower runs in prefill over the images being computed.
+        self.vision = model_cfg.vision
+        self._encode_fn = None if self.vision is None else make_encoder(graphdef)
+        self._mm_fn = None if self.vision is None else make_mm_inputs(graphdef)
+        self._incoming: dict[int, list[ImageSpan]] = {}
+        """id(handle) -> the spans of the images a prefill call appends (until committed)."""
         self.sharing = SiblingSharing(self)
         """Prefix sharing of GRPO siblings (it keeps recent group prompts' logits)."""
         self._copy_fn = _copy_pages_fn(self.pool_sharding)
@@ -320,10 +349,12 @@ class Engine:
     # -- the JetStream contract ----------------------------------------------------------------
     def prefill(self, params, existing_prefix: Prefix | None, tokens, true_length: int, *,
                 task_id: int | None = None, temperature: float | None = None,
-                max_action_tokens: int | None = None) -> Prefix:
-        """Appends tokens[:true_length] to the task's context, computes missing KV, samples."""
+                max_action_tokens: int | None = None, images=None) -> Prefix:
+        """Appends tokens[:true_length] to the task's context (with `images`, the images of
+        its placeholder runs), computes missing KV, samples."""
         req = PrefillRequest(existing_prefix, tokens, true_length, task_id=task_id,
-                             temperature=temperature, max_action_tokens=max_action_tokens)
+                             temperature=temperature, max_action_tokens=max_action_tokens,
+                             images=images)
         return self.prefill_many(params, [req])[0]
 
     def prefill_many(self, params, requests: list[PrefillRequest]) -> list[Prefix]:
@@ -334,7 +365,15 @@ class Engine:
         """
         self._check_params(params)
         self._state()
-        handles, news = self._take_requests(requests)
+        handles, news, spans = self._take_requests(requests)
+        self._incoming = {id(h): sp for h, sp in zip(handles, spans, strict=True) if sp}
+        try:
+            return self._prefill_handles(requests, handles, news)
+        finally:
+            self._incoming = {}
+
+    def _prefill_handles(self, requests, handles, news) -> list[Prefix]:
+        """`prefill_many` once its requests are validated (`_incoming` holds their images)."""
         temps = [h.temperature if r.temperature is None else r.temperature
                  for r, h in zip(requests, handles, strict=True)]
         caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
@@ -366,10 +405,10 @@ class Engine:
         return handles
 
     def _take_requests(self, requests: list[PrefillRequest]
-                       ) -> tuple[list[Prefix], list[list[int]]]:
-        """Each request's handle (a new one for a new task) and new tokens; validates every
-        request before touching any state."""
-        handles, news = [], []
+                       ) -> tuple[list[Prefix], list[list[int]], list[list[ImageSpan]]]:
+        """Each request's handle (a new one for a new task), new tokens and the spans of its
+        images; validates every request before touching any state."""
+        handles, news, spans = [], [], []
         for r in requests:
             new = [int(t) for t in np.asarray(r.tokens).reshape(-1)[: r.true_length]]
             if len(new) != r.true_length:
@@ -389,7 +428,15 @@ class Engine:
                 raise ValueError(f"task {h.task_id} appears twice in one prefill_many")
             handles.append(h)
             news.append(new)
-        return handles, news
+            v = self.vision
+            spans.append([] if v is None and not r.images else spans_in(
+                new, len(h.tokens), r.images, None if v is None else v.image_token_id,
+                1 if v is None else v.spatial_merge_size))
+        return handles, news, spans
+
+    def _spans(self, h: Prefix) -> list[ImageSpan]:
+        """The images of `h`'s context once this call's new tokens are in."""
+        return h.images + self._incoming.get(id(h), [])
 
     def _plan_rows(self, requests, handles, news, temps, caps):
         """Which handles compute (`rows`: handle, new tokens, start, end, temperature, action
@@ -413,12 +460,13 @@ class Engine:
             # Nothing missing (a forked sibling): recompute the last token to get its logits.
             start = min(h.kv_length, end - 1)
             if r.share is not None and not h.kv_length:
-                ctx = tuple(h.tokens) + tuple(new)
+                toks, spans = tuple(h.tokens) + tuple(new), self._spans(h)
+                ctx = context_key(toks, spans) if spans else toks
                 lead = leaders.get(ctx)
                 if lead is not None:  # a sibling in this call computes the same context
                     follow.append((h, new, end, temp, cap, lead, None))
                     continue
-                src, n = self.sharing.best_source(h, ctx, r.share)
+                src, n = self.sharing.best_source(h, toks, r.share, spans)
                 logits = self.sharing.cached_logits(ctx) if src is not None and n == end \
                     else None
                 if logits is not None:  # all resident at a sibling, logits kept: no compute
@@ -441,6 +489,8 @@ class Engine:
         full = {id(h): h.tokens + new for h, new, *_ in rows}
         temp_of = {id(h): temp for h, _, _, _, temp, _ in rows}
         pos = {id(h): start for h, _, start, *_ in rows}
+        spans = {id(h): self._spans(h) for h, *_ in rows}
+        feats = self._image_features(rows, spans)
         results: dict[int, tuple] = {}
         chunk = self.cfg.prefill_buckets[-1]
         while pending := [(h, end) for h, _, _, end, *_ in rows if pos[id(h)] < end]:
@@ -450,15 +500,31 @@ class Engine:
             tokens_bt = np.zeros((b, t), np.int32)
             for i, (h, _) in enumerate(pending):
                 tokens_bt[i, : n[i]] = full[id(h)][pos[id(h)]: pos[id(h)] + n[i]]
+            image = None if feats is None else feats.chunk(
+                tokens_bt, [(spans[id(h)], pos[id(h)], n[i]) for i, (h, _) in enumerate(pending)])
             packed, logits_bv = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
                                           [pos[id(h)] for h, _ in pending], n, b,
-                                          temps=[temp_of[id(h)] for h, _ in pending])
+                                          temps=[temp_of[id(h)] for h, _ in pending],
+                                          delta=[text_delta(spans[id(h)], pos[id(h)])
+                                                 for h, _ in pending], image=image)
             host = np.asarray(logits_bv) if self.keep_logits else None
             for i, (h, end) in enumerate(pending):
                 pos[id(h)] += n[i]
                 if pos[id(h)] == end:
                     results[id(h)] = (packed[i], logits_bv, i, None if host is None else host[i])
         return results
+
+    def _image_features(self, rows: list[tuple], spans: dict[int, list[ImageSpan]]
+                        ) -> ImageFeatures | None:
+        """The vision tower over the images whose placeholders `rows` compute (None: none)."""
+        if self._encode_fn is None:
+            return None
+        need = needed_spans([(spans[id(h)], start, end) for h, _, start, end, *_ in rows])
+        if not need:
+            return None
+        feats = ImageFeatures(self._encode_fn, self._mm_fn, self.params, self.vision, need)
+        self.counters.images_encoded += feats.images
+        return feats
 
     # -- what prefix sharing uses (`share.SharingHost`) ----------------------------------------
     def ensure_slot(self, h: Prefix) -> None:
@@ -485,6 +551,7 @@ class Engine:
         """A prefilled handle's new state (after its device work succeeded)."""
         h.temperature, h.max_action_tokens = temp, cap
         h.tokens.extend(new)
+        h.images.extend(self._incoming.pop(id(h), ()))
         if new:
             h.action_start, h.logprobs, h.versions = end, [], []
             h.stop_reason = StopReason.NONE
@@ -553,7 +620,8 @@ class Engine:
         b = _bucket(len(active), self.cfg.decode_buckets)
         tokens_bt = np.zeros((b, 1), np.int32)
         tokens_bt[: len(active), 0] = [h.tokens[-1] for h in active]
-        packed, logits = self._run(self._decode_fn, active, tokens_bt, pos, [1] * len(active), b)
+        packed, logits = self._run(self._decode_fn, active, tokens_bt, pos, [1] * len(active), b,
+                                   delta=[h.rope_delta for h in active])
         logits = None if logits is None else np.asarray(logits)
         self.counters.decode_steps += 1
         self.counters.decode_tokens += len(active)
@@ -600,7 +668,8 @@ class Engine:
     def trace_counts(self) -> collections.Counter:
         """Traces per (kind, B, T, page-table width) of this engine's kernels (shared by
         same-config engines)."""
-        return self._prefill_fn.trace_counts + self._decode_fn.trace_counts
+        out = self._prefill_fn.trace_counts + self._decode_fn.trace_counts
+        return out if self._encode_fn is None else out + self._encode_fn.trace_counts
 
     def stats(self) -> dict[str, float]:
         """Counters plus gauges (pages in use / shared, KV hit rate)."""
@@ -612,19 +681,26 @@ class Engine:
         return out
 
     # -- internals -----------------------------------------------------------------------------
-    def _run(self, fn, rows: list[Prefix], tokens_bt, start, n_new, b, temps=None):
+    def _run(self, fn, rows: list[Prefix], tokens_bt, start, n_new, b, temps=None, delta=None,
+             image=None):
+        """One device call over `rows`; `delta`: each row's M-RoPE delta (text), `image`:
+        a chunk's (positions [B, T, 3], input embeddings) when it holds image tokens."""
         st = self._state()
         pad = b - len(rows)
         start_b = np.array(list(start) + [0] * pad, np.int32)
         n_new_b = np.array(list(n_new) + [0] * pad, np.int32)
+        delta_b = np.zeros(b, np.int32)
+        if delta is not None:
+            delta_b[: len(rows)] = delta
         table_bp = self.pages.table_array([h.slot for h in rows], b)
         if self.attention != "pallas" or tokens_bt.shape[1] > 1:
             table_bp = table_bp[:, :self._table_width(int(np.max(start_b + n_new_b)))]
         task_b = np.array([h.task_id for h in rows] + [0] * pad, np.int32)
         temps = [h.temperature for h in rows] if temps is None else temps
         temp_b = np.array(list(temps) + [0.0] * pad, np.float32)
+        extra = () if image is None else image
         st.pools, packed, logits = fn(self.params, st.pools, self.run_key, tokens_bt, start_b,
-                                      n_new_b, table_bp, task_b, temp_b)
+                                      n_new_b, table_bp, task_b, temp_b, delta_b, *extra)
         return np.asarray(packed), logits
 
     def _table_width(self, n_keys: int) -> int:

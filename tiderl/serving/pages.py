@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from tiderl.serving.mrope import ImageSpan, shared_prefix
+
 
 class PoolExhaustedError(RuntimeError):
     """The KV page pool (or the slot table) cannot hold what was asked; nothing was changed."""
@@ -253,6 +255,15 @@ class Prefix:
     """Tokens the last prefill computed (new + recomputed)."""
     prefill_cached: int = 0
     """Tokens the last prefill served from resident KV."""
+    images: list[ImageSpan] = dataclasses.field(default_factory=list)
+    """The context's images (vision-language policies), in order: each one's placeholder run
+    in `tokens` and its patches, kept on the host so a prefill after an eviction, a flush or a
+    migration encodes them again (serving/mrope.py)."""
+
+    @property
+    def rope_delta(self) -> int:
+        """M-RoPE position minus token index of the text after its images (0 for text)."""
+        return sum(s.advance - s.n_tokens for s in self.images)
 
     @property
     def action_tokens(self) -> list[int]:
@@ -279,6 +290,10 @@ class PrefillRequest:
     which may hold the task's context prefix resident: a task with no resident KV then takes
     the longest common prefix's pages copy-on-write instead of computing it, and siblings
     with identical contexts in one call (a group's prompt) compute it once."""
+    images: Any = None
+    """The images whose placeholder runs `tokens[:true_length]` holds, in order (each a
+    `vision_inputs.PatchedImage`: the image processor's patch rows and grid_thw); a
+    vision-language policy only."""
 
 
 @dataclasses.dataclass
@@ -316,6 +331,8 @@ class EngineCounters:
     """Of `prompt_tokens_served`, tokens taken from a sibling's pages (prefix sharing)."""
     shared_samples: int = 0
     """Prefills that computed nothing: the first token was sampled from a sibling's logits."""
+    images_encoded: int = 0
+    """Images the vision tower encoded (a vision-language policy; again after an eviction)."""
 
     @property
     def kv_hit_rate(self) -> float:
@@ -353,14 +370,18 @@ def common_prefix(a, b, limit: int) -> int:
     return lo
 
 
-def best_source(h: Prefix, ctx, share, version: int) -> tuple[Prefix | None, int]:
+def best_source(h: Prefix, ctx, share, version: int,
+                spans: Any = ()) -> tuple[Prefix | None, int]:
     """The sibling in `share` whose resident KV of weight `version` covers the longest prefix
-    of `ctx` (h's context), and that length (prefix sharing of GRPO siblings)."""
+    of `ctx` (h's context, with images `spans`), and that length (prefix sharing of GRPO
+    siblings): equal token ids and, up to there, the same images."""
     best, best_n = None, 0
     for s in share:
         if s is h or s.slot is None or not s.kv_length or s.kv_version != version:
             continue
         n = common_prefix(ctx, s.tokens, min(len(ctx), s.kv_length))
+        if spans or s.images:
+            n = shared_prefix(spans, s.images, n)
         if n > best_n:
             best, best_n = s, n
     return best, best_n
@@ -382,7 +403,8 @@ def fork_children(h: Prefix, n: int, task_ids, version: int) -> list[Prefix]:
                        kv_length=h.kv_length, kv_version=h.kv_version,
                        action_start=min(h.action_start, h.kv_length),
                        temperature=h.temperature, max_action_tokens=h.max_action_tokens,
-                       computed_max=h.kv_length)
+                       computed_max=h.kv_length,
+                       images=[s for s in h.images if s.end <= h.kv_length])
         child.logprobs, child.versions = h.logprobs[:n_act], h.versions[:n_act]
         children.append(child)
     return children

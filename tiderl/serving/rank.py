@@ -51,6 +51,8 @@ class Handoff:
     """Tokens it was given for its current turn and never prefilled (None: none waiting)."""
     result: TurnResult | None = None
     """Its current turn, when it finished on the old rank but was never delivered."""
+    unfed_images: list[Any] | None = None
+    """The images whose placeholders `unfed` holds (a vision-language policy)."""
 
 
 @dataclasses.dataclass
@@ -92,6 +94,8 @@ class _Task:
     keep: float = 0.0
     """While paused: what its KV is worth to the scheduler; the lowest is evicted first."""
     max_action_tokens: int | None = None
+    pending_images: list[Any] | None = None
+    """The images whose placeholder tokens `pending` holds (until they are prefilled)."""
 
 
 @dataclasses.dataclass
@@ -205,7 +209,8 @@ class RolloutRank:
              prefix: Prefix | None = None, *, sample_id: int | None = None,
              temperature: float | None = None,
              share_key: str | None = None,
-             max_action_tokens: int | None = None) -> asyncio.Future[TurnResult]:
+             max_action_tokens: int | None = None,
+             images: Sequence[Any] | None = None) -> asyncio.Future[TurnResult]:
         """Appends `new_tokens` to the task's context and decodes its next action.
 
         `task_id` is the caller's key for the task (unique among its live tasks);
@@ -213,7 +218,9 @@ class RolloutRank:
         handle (its KV is re-prefilled here); `temperature` overrides the engine's for this
         task (evaluation decodes greedily with 0); `share_key` (its GRPO group) lets siblings
         on this rank share their common prefix's KV; `max_action_tokens` caps this action below
-        the engine's own limit (an agent's max_tokens).
+        the engine's own limit (an agent's max_tokens); `images` are the images whose
+        placeholder runs `new_tokens` holds, in order (`vision_inputs.PatchedImage`s; a
+        vision-language policy).
         """
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
@@ -232,6 +239,7 @@ class RolloutRank:
             raise RuntimeError(f"task {task_id} already has a turn in flight on rank "
                                f"{self.rank_id}")
         t.pending = list(new_tokens)
+        t.pending_images = list(images) if images else None
         t.temperature = temperature
         t.share_key = share_key
         t.max_action_tokens = max_action_tokens
@@ -309,13 +317,14 @@ class RolloutRank:
             t.future.cancel()
         p = t.prefix
         if p is None:
-            return Handoff(None, t.pending, t.result)
+            return Handoff(None, t.pending, t.result, t.pending_images)
         if evict and p.slot is not None:
             self.engine.evict(p)
+        # Host data only: its images' patches go with it (the new rank encodes them again).
         copy = dataclasses.replace(p, tokens=list(p.tokens), logprobs=list(p.logprobs),
-                                   versions=list(p.versions), slot=None, kv_length=0,
-                                   decoding=False)
-        return Handoff(copy, t.pending, t.result)
+                                   versions=list(p.versions), images=list(p.images),
+                                   slot=None, kv_length=0, decoding=False)
+        return Handoff(copy, t.pending, t.result, t.pending_images)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -418,7 +427,8 @@ class RolloutRank:
                                     task_id=self._snap[tid].sample_id,
                                     temperature=self._snap[tid].temperature,
                                     share=share.get(self._snap[tid].share_key),
-                                    max_action_tokens=self._snap[tid].max_action_tokens)
+                                    max_action_tokens=self._snap[tid].max_action_tokens,
+                                    images=self._snap[tid].pending_images)
                     for tid in batch]
             n_before = [len(r.existing_prefix.tokens) if r.existing_prefix else 0 for r in reqs]
             c0 = dataclasses.replace(eng.counters)
@@ -426,6 +436,9 @@ class RolloutRank:
                 if many is not None:
                     prefixes = many(None, reqs)
                 else:  # an engine without batched prefill: one call per task, same semantics
+                    if any(r.images for r in reqs[:1]):
+                        raise ValueError(f"rank {self.rank_id}: its engine has no "
+                                         "prefill_many, so it cannot take images")
                     prefixes = [eng.prefill(None, r.existing_prefix, r.tokens, r.true_length,
                                             task_id=r.task_id) for r in reqs[:1]]
                     batch = batch[:1]
@@ -491,7 +504,7 @@ class RolloutRank:
         return keep
 
     def _after_prefill(self, t: _Task, p: Prefix, n_before: int) -> None:
-        t.prefix, t.pending = p, None
+        t.prefix, t.pending, t.pending_images = p, None, None
         t.last_used = time.monotonic()
         if p.stop_reason == StopReason.CONTEXT_LIMIT and len(p.tokens) == n_before:
             # Refused before running: the observation does not fit; the action is empty.

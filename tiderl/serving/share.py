@@ -60,10 +60,11 @@ class SiblingSharing:
         """Drops the kept prompt logits (new weights, new pools)."""
         self._prompt_logits.clear()
 
-    def best_source(self, h: Prefix, full: tuple[int, ...],
-                    share) -> tuple[Prefix | None, int]:
-        """The sibling whose resident KV covers the longest prefix of `full`, and its length."""
-        return best_source(h, full, share, self.host.version)
+    def best_source(self, h: Prefix, full: tuple[int, ...], share,
+                    spans=()) -> tuple[Prefix | None, int]:
+        """The sibling whose resident KV covers the longest prefix of `full` (with images
+        `spans`), and its length."""
+        return best_source(h, full, share, self.host.version, spans)
 
     def attach(self, h: Prefix, src: Prefix, n: int) -> None:
         """Gives `h` (no resident KV) the pages of `src` that hold its first `n` tokens."""
