@@ -21,103 +21,19 @@ Without `images` it is the text decoder (M-RoPE on equal t/h/w positions is plai
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES, AttentionCache, Decoder
 from tiderl.models.lora import LoraSpec
+from tiderl.models.rope_index import expand_image_placeholders, mrope_positions, placeholder_count
 from tiderl.models.vision import ImageInput, VisionTower, image_input
 
 __all__ = ["ImageInput", "VisionLanguageModel", "expand_image_placeholders", "image_input",
            "mrope_positions", "placeholder_count"]
-
-
-def placeholder_count(grid_thw: Any, spatial_merge_size: int) -> list[int]:
-    """How many image placeholder tokens each image of `grid_thw` [images, 3] takes."""
-    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
-    return [int(t * h * w) // spatial_merge_size ** 2 for t, h, w in grid.tolist()]
-
-
-def expand_image_placeholders(ids: Any, grid_thw: Any, vision: Any) -> list[int]:
-    """Token ids with each image's single placeholder (what the Qwen-VL chat templates render:
-    `<|vision_start|><|image_pad|><|vision_end|>`) repeated `placeholder_count` times, image k
-    of `grid_thw` at the k-th placeholder, as the Qwen2.5-VL/Qwen3-VL processors expand the
-    rendered chat. `vision`: the model's `VisionConfig`."""
-    counts = placeholder_count(grid_thw, vision.spatial_merge_size)
-    out: list[int] = []
-    k = 0
-    for i in (int(t) for t in ids):
-        if i != vision.image_token_id:
-            out.append(i)
-            continue
-        if k == len(counts):
-            raise ValueError(f"the ids hold more image placeholders than grid_thw's {len(counts)}"
-                             " images; pass every image of the conversation")
-        out += [i] * counts[k]
-        k += 1
-    if k != len(counts):
-        raise ValueError(f"grid_thw has {len(counts)} images but the ids hold {k} image "
-                         "placeholders")
-    return out
-
-
-def _row_positions(tokens_t: np.ndarray, grids: list[list[int]], image_token: int,
-                   m: int) -> np.ndarray:
-    """[T, 3] positions of one sequence whose image runs take `grids` in order (popped)."""
-    out = np.zeros((len(tokens_t), 3), np.int64)
-    is_image = tokens_t == image_token
-    pos = i = 0
-    while i < len(tokens_t):
-        if not is_image[i]:
-            out[i] = pos
-            pos, i = pos + 1, i + 1
-            continue
-        if not grids:
-            raise ValueError("the tokens hold more image placeholder runs than grid_thw has "
-                             "images; pass each image's grid")
-        t, h, w = grids.pop(0)
-        gh, gw = h // m, w // m
-        n = t * gh * gw
-        if (i + n > len(tokens_t) or not is_image[i:i + n].all()
-                or (i + n < len(tokens_t) and is_image[i + n])):
-            raise ValueError(f"an image placeholder run at token {i} is not the {n} tokens "
-                             f"grid_thw {[t, h, w]} needs; emit placeholder_count(...) tokens "
-                             "per image")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[i:i + n] = pos + np.stack([tt, hh, ww], -1).reshape(n, 3)
-        pos, i = pos + max(gh, gw), i + n
-    return out
-
-
-def mrope_positions(tokens_bt: Any, grid_thw: Any, cfg: ModelConfig,
-                    segment_ids_bt: Any = None) -> np.ndarray:
-    """[B, T, 3] M-RoPE positions (transformers' `get_rope_index` for images): the images of
-    `grid_thw` are taken in order, row by row. With `segment_ids_bt` (packed rows) each segment
-    starts again at 0; padding (segment 0) gets position 0."""
-    if cfg.vision is None:
-        raise ValueError("mrope_positions needs a vision-language config (model.vision)")
-    tokens = np.asarray(tokens_bt)
-    segs = np.ones_like(tokens) if segment_ids_bt is None else np.asarray(segment_ids_bt)
-    grids = np.asarray(grid_thw, np.int64).reshape(-1, 3).tolist() if grid_thw is not None \
-        else []
-    out = np.zeros((*tokens.shape, 3), np.int64)
-    for b in range(tokens.shape[0]):
-        for s in np.unique(segs[b]):
-            if s == 0:
-                continue
-            at = np.nonzero(segs[b] == s)[0]
-            out[b, at] = _row_positions(tokens[b, at], grids, cfg.vision.image_token_id,
-                                        cfg.vision.spatial_merge_size)
-    if grids:
-        raise ValueError(f"grid_thw has {len(grids)} more image(s) than the tokens have "
-                         "placeholder runs")
-    return out
 
 
 class VisionLanguageModel(Decoder):
