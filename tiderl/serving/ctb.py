@@ -81,6 +81,8 @@ class CTBScheduler(TaskTable):
         """`_own` at the grown sizes `plan_growth` admits by; valid at `_grown_version`."""
         self._grown_version = [-1] * n
         self._admit_memo: list[dict[str, bool]] = [{} for _ in range(n)]
+        self._round_budgets: list[int] | None = None
+        """Every rank's `budget` during a round (`schedule` fixes them at its start)."""
         self._now = 0.0
         self._resumed: set[str] = set()
         self.valve = ReleaseValve(self)
@@ -94,6 +96,9 @@ class CTBScheduler(TaskTable):
         return t.prompt_tokens // self.page_size * self.page_size
 
     def budget(self, rank: int) -> int:
+        b = self._round_budgets
+        if b is not None:  # inside a round: capacities and busy shares do not change there
+            return b[rank]
         return int(self.capacity[rank] * self.cfg.budget_fraction * self.stretch(rank))
 
     def stretch(self, rank: int) -> float:
@@ -371,14 +376,21 @@ class CTBScheduler(TaskTable):
         self._resumed: set[str] = set()
         self._now = self.clock()
         for memo in self._admit_memo:  # sizes and stats may have changed since the last round
-            memo.clear()
+            if memo:
+                memo.clear()
         ranks = self.live_ranks()
-        self._pause_over_budget(ranks, out)
-        self._resume_paused(ranks, out)
-        self._admit_new(ranks, out)
-        if self.valve.park_for_demand(ranks, out):
+        # A round changes no capacity or busy share: each rank's budget is computed once.
+        self._round_budgets = None
+        self._round_budgets = [self.budget(r) for r in range(len(self.capacity))]
+        try:
+            self._pause_over_budget(ranks, out)
             self._resume_paused(ranks, out)
             self._admit_new(ranks, out)
+            if self.valve.park_for_demand(ranks, out):
+                self._resume_paused(ranks, out)
+                self._admit_new(ranks, out)
+        finally:
+            self._round_budgets = None
         return out
 
     def pause(self, t: Task, rank: int, out: list[Decision], *, park: bool = False) -> None:
@@ -394,9 +406,12 @@ class CTBScheduler(TaskTable):
         An executing task is never paused: its turn ends on this rank whatever we decide, and
         its KV keeps counting here. When only executing tasks are left the rank stays over
         budget until a later round (after `set_executing(..., False)`) can pause one."""
+        own, prompts = self._own, self._prompt_sum
         for r in ranks:
             budget = self.budget(r)
-            if self.usage(r) <= budget:
+            if self._dirty[r]:
+                self._refresh(r)
+            if own[r] + prompts[r] <= budget:  # `usage(r)`, inlined (every rank every round)
                 continue
             active = self._active[r]
             # Pausing one task changes no other's value: one sort gives the order.
@@ -410,9 +425,17 @@ class CTBScheduler(TaskTable):
     def _best_headroom(self, ranks: list[int]) -> int | None:
         """The most room any rank with a free slot has left; None when none has a slot."""
         cap = self.max_tasks_per_rank
-        heads = [self.limit(r) - self.usage(r) for r in ranks
-                 if cap is None or len(self._active[r]) < cap]
-        return max(heads) if heads else None
+        active, own, prompts = self._active, self._own, self._prompt_sum
+        best = None
+        for r in ranks:  # `limit(r) - usage(r)`, inlined (every rank, several times a round)
+            if cap is not None and len(active[r]) >= cap:
+                continue
+            if self._dirty[r]:
+                self._refresh(r)
+            head = (self.budget(r) if active[r] else self.capacity[r]) - (own[r] + prompts[r])
+            if best is None or head > best:
+                best = head
+        return best
 
     def least_need(self, t: Task) -> int:
         """The least `t` adds to any rank: its own tokens (its prompt may be there already)."""
@@ -429,7 +452,9 @@ class CTBScheduler(TaskTable):
         without trying every rank. A preemption frees room: the scan starts over. It ends
         because evals are never preempted and each start-over resumes one more."""
         conc = self.cfg.env_concurrency
-        preempted = True
+        # Parked tasks wait for their environment: with no other paused task there is none to
+        # resume (and no headroom to compute).
+        preempted = any(not t.parked for t in self._paused.values())
         while preempted:
             preempted = False
             head = self._best_headroom(ranks)

@@ -357,27 +357,19 @@ class SimEngine:
                     f"KV page pool exhausted: this decode step needs {need} pages, "
                     f"{self.pages_free} free of {self.num_pages}")
             k = max(1, k // 2)
-        steps_of = [min(k, n) for n in left]
-        if self.costs is not None:
-            if self._decode_cost is None:
-                self._decode_cost = self.costs.decode_fn(self.gpus)
-            decode = self._decode_cost
-            # Step j decodes the rows with more than j steps left, each at its context + j.
-            cnt = [0] * (k + 1)
-            base = [0] * (k + 1)
-            for p, m in zip(active, steps_of, strict=True):
-                cnt[m] += 1
-                base[m] += len(p.tokens)
-            rows = ctx = 0
-            cost = 0.0
-            for j in range(k - 1, -1, -1):  # rows alive at step j: those with m > j
-                rows += cnt[j + 1]
-                ctx += base[j + 1]
-                cost += decode(rows, ctx + j * rows)
-            self._charge(cost)
+        # One pass over the rows: the decode cost's step counts (from the contexts before this
+        # call), then each row's KV pages and sampled tokens.
+        cnt = [0] * (k + 1)
+        base = [0] * (k + 1)
         steps = 0
-        for p, m in zip(active, steps_of, strict=True):
-            kv = len(p.tokens) - 1 + m
+        slots, last, lengths, reasons = [], [], [], []
+        sample, none = self._sample, StopReason.NONE
+        for p, n in zip(active, left, strict=True):
+            m = k if k < n else n
+            n_tok = len(p.tokens)
+            cnt[m] += 1
+            base[m] += n_tok
+            kv = n_tok - 1 + m
             more = -(-kv // ps) - pages[p.slot]  # `_resize` inlined
             if more > 0:
                 self.pages_free -= more
@@ -385,16 +377,30 @@ class SimEngine:
             p.kv_length = kv
             if kv > p.computed_max:
                 p.computed_max = kv
-            self._sample(p, m)
+            sample(p, m)
             steps += m
-            p.decoding = p.stop_reason == StopReason.NONE
+            p.decoding = p.stop_reason == none
+            slots.append(p.slot)
+            last.append(p.tokens[-1])
+            lengths.append(len(p.tokens))
+            reasons.append(p.stop_reason)
+        if self.costs is not None:
+            if self._decode_cost is None:
+                self._decode_cost = self.costs.decode_fn(self.gpus)
+            decode = self._decode_cost
+            # Step j decodes the rows with more than j steps left, each at its context + j.
+            rows = ctx = 0
+            cost = 0.0
+            for j in range(k - 1, -1, -1):  # rows alive at step j: those with m > j
+                rows += cnt[j + 1]
+                ctx += base[j + 1]
+                cost += decode(rows, ctx + j * rows)
+            self._charge(cost)
         self.counters.decode_steps += k
         self.counters.decode_tokens += steps
-        res = ResultTokens(np.fromiter((p.slot for p in active), np.int32, len(active)),
-                           np.fromiter((p.tokens[-1] for p in active), np.int32, len(active)),
+        res = ResultTokens(np.array(slots, np.int32), np.array(last, np.int32),
                            np.full(len(active), -2.2, np.float32),
-                           np.fromiter((len(p.tokens) for p in active), np.int32, len(active)),
-                           np.fromiter((p.stop_reason for p in active), np.int32, len(active)))
+                           np.array(lengths, np.int32), np.array(reasons, np.int32))
         return state, res
 
     def evict(self, prefix: Prefix | int) -> Prefix:
