@@ -396,6 +396,41 @@ def test_fig14_command_prints_its_json(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"cm_over_vs", "dm_over_vs"} <= set(res) and (tmp_path / "fig14.png").is_file()
     assert res["cm_over_vso"] < 1  # aggregation saves swaps over per-micro-batch alternation
+    # Both models fit: VS swaps nothing, so CM cannot cut its overhead (the Ref's compute);
+    # where they do not fit (14B, 8,192 tokens per GPU), CM saves 14 of VS's 16 swaps.
+    assert res["cm_over_vs"] == pytest.approx(1.0, abs=1e-4)
+    assert res["colocation_excess_gb_14b_8192_per_gpu"] > 0
+    assert res["cm_over_vs_14b_8192_per_gpu"] < 0.9 and res["alternation_cost_needed_s"] > 0
+
+
+def test_run_all_starts_a_dependent_run_before_the_rest():
+    """`run_all(follow=...)`: a run that needs others' results starts as soon as they are in,
+    ahead of configs not yet started; results come back in the order the configs were given."""
+    import dataclasses
+
+    from tiderl.sim.cluster import SimConfig
+    from tiderl.sim.experiments import best_of, run_all
+
+    base = SimConfig(mode="async", gpus=2, steps=1, groups_per_step=1, group_size=2,
+                     groups_per_microbatch=1, eval_every=0, workloads=("webshop",))
+    cfgs = {f"async ratio {q}": dataclasses.replace(base, rollout_ratio=q) for q in (0.25, 0.5)}
+    cfgs["stream ratio 0.5"] = dataclasses.replace(base, mode="stream", rollout_ratio=0.5)
+    seen: list[list[str]] = []
+
+    def then(done):
+        seen.append(list(done))
+        if {"async ratio 0.25", "async ratio 0.5"} <= set(done):
+            q = best_of(done, "async")[0]
+            return {f"tiderl ratio {q}": dataclasses.replace(base, mode="tiderl",
+                                                            rollout_ratio=q)}
+        return {}
+
+    runs = run_all(cfgs, 1, follow=then)
+    assert list(runs)[:3] == list(cfgs) and list(runs)[3].startswith("tiderl ratio ")
+    # the dependent run went before the stream run
+    assert seen[2] == ["async ratio 0.25", "async ratio 0.5", list(runs)[3]]
+    assert all(r.summary["goodput"] > 0 for r in runs.values())
+
 
 
 def test_shared_host_shares_its_capacity():

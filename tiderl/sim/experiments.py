@@ -128,22 +128,45 @@ def breakdown_table(runs: dict[str, Result]) -> None:
                  "switches s", "syncs s", "role chg s", "eval in flight s"))
 
 
-def run_all(cfgs: dict[str, SimConfig], jobs: int = 1) -> dict[str, Result]:
-    """Simulates every config (in `jobs` worker processes when > 1), in the order given."""
+def run_all(cfgs: dict[str, SimConfig], jobs: int = 1,
+            follow: Callable[[dict[str, Result]], dict[str, SimConfig]] | None = None
+            ) -> dict[str, Result]:
+    """Simulates every config (in `jobs` worker processes when > 1); returns them in the order
+    given. `follow(finished)` is called as runs finish and may return more configs (a run
+    that depends on others' results): they start before the configs not yet started."""
     out: dict[str, Result] = {}
-    if jobs > 1 and len(cfgs) > 1:
-        import concurrent.futures
+    todo = list(cfgs.items())
+    extra: dict[str, SimConfig] = {}
 
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cfgs))) as pool:
-            futs = {label: pool.submit(_simulate, cfg) for label, cfg in cfgs.items()}
-            for label, f in futs.items():
-                out[label] = f.result()
-                _report(label, out[label])
-        return out
-    for label, cfg in cfgs.items():
-        out[label] = _simulate(cfg)
-        _report(label, out[label])
-    return out
+    def more() -> None:
+        new = follow(out) if follow is not None else {}
+        new = {k: v for k, v in new.items() if k not in extra and k not in cfgs}
+        extra.update(new)
+        todo[:0] = list(new.items())
+
+    if jobs <= 1 or len(cfgs) <= 1 and follow is None:
+        while todo:
+            label, cfg = todo.pop(0)
+            out[label] = _simulate(cfg)
+            _report(label, out[label])
+            more()
+    else:
+        import concurrent.futures as cf
+
+        with cf.ProcessPoolExecutor(min(jobs, max(2, len(cfgs)))) as pool:
+            running: dict[cf.Future[Result], str] = {}
+            while todo or running:
+                while todo and len(running) < jobs:
+                    label, cfg = todo.pop(0)
+                    running[pool.submit(_simulate, cfg)] = label
+                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+                for f in done:
+                    label = running.pop(f)
+                    out[label] = f.result()
+                    _report(label, out[label])
+                more()
+    order = [*cfgs, *extra]
+    return {k: out[k] for k in order}
 
 
 def _report(label: str, r: Result) -> None:
@@ -269,6 +292,13 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- fig8 ------------------------------------------------------------------------------------
+def best_of(runs: dict[str, Result], mode: str) -> tuple[float, float]:
+    """The ratio of `mode`'s runs (labelled "MODE ratio Q") with the best goodput, and it."""
+    cand = {float(k.split()[-1]): r for k, r in runs.items() if k.startswith(mode + " ")}
+    q = max(cand, key=lambda q: cand[q].summary.get("goodput", 0.0))
+    return q, cand[q].summary.get("goodput", math.nan)
+
+
 def fig8(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = []
@@ -290,23 +320,28 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         if early:  # submitted first: the longest run (the workers then share the rest)
             cfgs = {early: dataclasses.replace(base, mode="tiderl", rollout_ratio=0.25,
                                                planner=args.planner), **cfgs}
-        runs = run_all(cfgs, args.jobs)
+
+        def then(done: dict[str, Result], cfgs: dict[str, SimConfig] = cfgs
+                 ) -> dict[str, SimConfig]:
+            # tiderl starts from the ratio the sweep found best for async (the paper's rule):
+            # it starts as soon as the async runs are done, ahead of the rest of the sweep.
+            if early or not all(k in done for k in cfgs if k.startswith("async ")):
+                return {}
+            q = best_of(done, "async")[0]
+            return {f"tiderl ratio {q}": dataclasses.replace(base, mode="tiderl",
+                                                            rollout_ratio=q,
+                                                            planner=args.planner)}
+
+        # The async runs first: tiderl waits for them.
+        first = {k: v for k, v in cfgs.items() if k.startswith("async ")}
+        runs = run_all({**first, **cfgs}, args.jobs, follow=then)
+        runs = {k: runs[k] for k in (*cfgs, *(k for k in runs if k not in cfgs))}
         tiderl_run = runs.pop(early) if early else None
-
-        def best(mode: str, runs: dict[str, Result] = runs) -> tuple[float, float]:
-            cand = {float(k.split()[-1]): r for k, r in runs.items() if k.startswith(mode + " ")}
-            q = max(cand, key=lambda q: cand[q].summary.get("goodput", 0.0))
-            return q, cand[q].summary.get("goodput", math.nan)
-
-        good = {m: best(m)[1] for m in ("sync", "async", "stream")}
-        ratios = {m: best(m)[0] for m in ("sync", "async", "stream")}
-        # tiderl starts from the ratio the sweep found best for async (the paper's rule).
+        good = {m: best_of(runs, m)[1] for m in ("sync", "async", "stream")}
+        ratios = {m: best_of(runs, m)[0] for m in ("sync", "async", "stream")}
         q_t = ratios["async"]
         if tiderl_run is not None:
             runs[f"tiderl ratio {q_t}"] = tiderl_run
-        else:
-            runs.update(run_all({f"tiderl ratio {q_t}": dataclasses.replace(
-                base, mode="tiderl", rollout_ratio=q_t, planner=args.planner)}))
         good["tiderl"], ratios["tiderl"] = runs[f"tiderl ratio {q_t}"].summary.get(
             "goodput", math.nan), q_t
         all_runs.update({f"{model}/{k}": v for k, v in runs.items()})
@@ -444,6 +479,7 @@ def fig14(args: argparse.Namespace) -> dict[str, Any]:
     _say("ours: without offload a Ref/Actor alternation has no roofline cost "
          "(context_switch_c0 = 0 in the h100 profile), so VS pays only for the Ref's compute; "
          "what RA2P saves here is the swaps (VSO) and, in DM, moving the Ref off the Actor")
+    unfit = _fig14_unfit(costs, gpus, n_mb, over["VS"], tm, one)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(list(res), [ideal] * len(res), label="Actor compute")
@@ -456,7 +492,44 @@ def fig14(args: argparse.Namespace) -> dict[str, Any]:
                                                                             over["VS"]),
             "cm_over_vso": ratio(over["CM"], over["VSO"]),
             "cmo_over_vso": ratio(over["CMO"], over["VSO"]),
-            "step_s": {k: v["elapsed"] for k, v in res.items()}}
+            "step_s": {k: v["elapsed"] for k, v in res.items()}, **unfit}
+
+
+def _fig14_unfit(costs: Any, gpus: int, n_mb: int, r_vs: float, tm0: Any,
+                 one: Callable[[Callable[[], tuple[SimTrainer, SimMicroBatch]]], Any]
+                 ) -> dict[str, Any]:
+    """What CM could save against VS: its only lever is the alternations (VS: two per
+    micro-batch, CM: two per aggregate), the rest of both overheads (VS's, `r_vs`, when it
+    swaps nothing) being the Ref's compute. So a cut of 44.3% needs each alternation to cost
+    at least t* = 0.443 r_vs / (0.557 · 2 n_mb − 2). An alternation costs bytes over PCIe
+    only where Ref and Actor do not fit one device together (`tm0`: the memory of the run
+    above): Qwen2.5-14B at 8,192 tokens per GPU (the paper's micro-batch read per GPU)
+    shows that case."""
+    from tiderl.sim.clock import run_virtual
+
+    t_star = 0.443 * r_vs / (0.557 * 2 * n_mb - 2)
+    pcie = costs.profile.device.pcie_bw if costs.profile.device else math.nan
+    seq, model = 8192, "qwen2.5-14b"
+    costs = build_costs(SimConfig(model=model))
+    mb = SimMicroBatch(ranks=tuple((seq,) for _ in range(gpus)), n_action_tokens=0, n_seqs=gpus)
+    ideal = n_mb * (costs.actor_forward(mb.ranks) + costs.actor_backward(mb.ranks))
+    res = {k: run_virtual(one(lambda agg=agg: (SimTrainer(
+        costs, actor_gpus=gpus, aggregate=agg, offload="auto", tokens_per_gpu=seq), mb)))
+        for k, agg in (("VS", False), ("CM", True))}
+    over = {k: v["elapsed"] - ideal for k, v in res.items()}
+    tm = costs.trainer_memory(gpus, seq)
+    _say(f"a 44.3% cut against VS needs every alternation to cost t* = {t_star * 1e3:.0f} ms "
+         f"({t_star * pcie / 1e9:.1f} GB over PCIe at {pcie / 1e9:.0f} GB/s); with "
+         f"{(tm0.hbm - tm0.colocated) / 1e9:.1f} GB free beside both models above, none "
+         "moves: VS leaves nothing for CM to win")
+    _say(f"{model} at 8,192 tokens per GPU: {tm.colocated / 1e9:.1f} GB of {tm.hbm / 1e9:.0f} "
+         f"(over by {tm.colocation_excess / 1e9:.1f} GB): VS swaps {res['VS']['swaps']} times "
+         f"({res['VS']['time_swap']:.2f} s), CM {res['CM']['swaps']} "
+         f"({res['CM']['time_swap']:.2f} s): CM/VS overhead "
+         f"{ratio(over['CM'], over['VS']):.2f}")
+    return {"alternation_cost_needed_s": t_star,
+            "cm_over_vs_14b_8192_per_gpu": ratio(over["CM"], over["VS"]),
+            "colocation_excess_gb_14b_8192_per_gpu": tm.colocation_excess / 1e9}
 
 
 # -- ctb -------------------------------------------------------------------------------------
