@@ -432,6 +432,20 @@ def test_run_all_starts_a_dependent_run_before_the_rest():
     assert all(r.summary["goodput"] > 0 for r in runs.values())
 
 
+def test_the_pressure_validation_job_has_kv_pressure_and_ready_microbatches(tmp_path):
+    from tiderl.sim.validate import run_config
+
+    d = run_config("stream", 2, 0, str(tmp_path / "d"))
+    p = run_config("stream", 2, 0, str(tmp_path / "p"), "pressure")
+    assert p.rollout.num_pages * p.rollout.page_size < d.rollout.num_pages * d.rollout.page_size
+    # two steps of tasks in flight need more KV than the pool holds
+    tasks = 2 * p.controller.groups_per_step * p.env.group_size
+    assert tasks * p.rollout.max_context > 2 * p.rollout.num_pages * p.rollout.page_size
+    assert p.controller.groups_per_step // p.controller.groups_per_microbatch >= 8
+    assert p.env.latency.scale_s < d.env.latency.scale_s  # the engine sets the pace
+    with pytest.raises(ValueError, match="validation job 'nope'"):
+        run_config("stream", 2, 0, str(tmp_path / "x"), "nope")
+
 
 def test_shared_host_shares_its_capacity():
     """Processor sharing on one CPU machine: work beside other work runs slower."""
