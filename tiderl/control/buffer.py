@@ -148,7 +148,9 @@ class ReadinessBuffer:
         g = ReadyGroup(group_id=gid, seqs=seqs, trajs=list(ok), ready_at=now,
                        min_version=min((t.min_version for t in ok if t.min_version >= 0),
                                        default=-1),
-                       action_tokens=sum(t.action_token_count for t in ok),
+                       action_tokens=sum(t.action_token_count + sum(sum(s.loss_mask)
+                                                                     for s in t.segments)
+                                         for t in ok),
                        reward_mean=float(np.mean([t.reward for t in ok])))
         self.ready.append(g)
         self.drops_in_a_row = 0
@@ -181,11 +183,18 @@ class ReadinessBuffer:
                     for t, a, s in zip(ok, ep, st.per_turn, strict=True)]
         elif not adv.keep[0]:
             return None
-        return [TrainSequence(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
-                              action_mask=np.asarray(t.loss_mask, bool),
-                              behaviour_logprobs=np.asarray(t.logprobs, np.float32),
-                              advantage=a, versions=np.asarray(t.versions, np.int32))
-                for t, a in zip(ok, advs, strict=True)]
+        out = []
+        for t, a, e in zip(ok, advs, ep, strict=True):
+            # Parts the sliding image window cut off: the episode's advantage (step credit's
+            # per-turn terms apply to the last part, whose tokens it was computed on).
+            out += [seg.sequence(next(self._uids), float(e)) for seg in t.segments]
+            out.append(TrainSequence(uid=next(self._uids), tokens=np.asarray(t.tokens, np.int32),
+                                     action_mask=np.asarray(t.loss_mask, bool),
+                                     behaviour_logprobs=np.asarray(t.logprobs, np.float32),
+                                     advantage=a, versions=np.asarray(t.versions, np.int32),
+                                     # A text rollout's trajectories have no images.
+                                     images=tuple(getattr(t, "images", ()))))
+        return out
 
     # -- consumer side -------------------------------------------------------------------------
     def begin_step(self, now: float) -> Readiness:

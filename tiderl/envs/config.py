@@ -200,6 +200,13 @@ class EnvConfig:
     """Injected per-step latency, to mimic slow environments (WebShop, ALFWorld)."""
     images: ImageConfig = dataclasses.field(default_factory=ImageConfig)
     """Limits on images in observations, tasks, actions and agents' chat requests."""
+    image_window: int = 10
+    """Sliding image window of a vision-language policy's tasks (arXiv 2608.10402): once a
+    context holds this many images it is cut before the next observation; the cut part trains
+    as a segment with the trajectory's advantage and the task continues from its
+    env.image_keep most recent images (recomputed). 0: never cut."""
+    image_keep: int = 5
+    """Most recent images a cut context continues with (below env.image_window)."""
 
     # -- tasks --
     group_size: int = 8
@@ -250,6 +257,11 @@ class EnvConfig:
                               f"rollout.max_action_tokens), got {self.max_action_chars}")
         if self.retries < 0:
             raise ConfigError(f"config key 'env.retries' must be >= 0, got {self.retries}")
+        if self.image_window < 0 or self.image_window and not 0 < self.image_keep < \
+                self.image_window:
+            raise ConfigError(f"config keys 'env.image_window'={self.image_window} and "
+                              f"'env.image_keep'={self.image_keep}: the window must be >= 0 "
+                              "(0: never cut) and the kept images between 1 and the window - 1")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"config key 'env.port' must be in 0..65535, got {self.port}")
         if self.call_deadline_s < self.request_timeout_s:

@@ -50,8 +50,9 @@ def _host_device() -> Any:
 
 def _model_config(run: RunConfig, meta: dict, where: str) -> tuple[ModelConfig, Any, Any]:
     """The ModelConfig whose policy (Decoder, or VisionLanguageModel) matches the checkpoint's
-    saved params, with its (graphdef, abstract state). The checkpoint's own model record comes first; a run started
-    from an HF `model.checkpoint` is also tried with that folder's config.json."""
+    saved params, with its (graphdef, abstract state). The checkpoint's own model record comes
+    first; a run started from an HF `model.checkpoint` is also tried with that folder's
+    config.json."""
     from flax import nnx
 
     from tiderl.models.hf import load_hf_config

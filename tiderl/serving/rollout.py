@@ -82,6 +82,10 @@ class Trajectory:
     error: str = ""
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished_at: float = 0.0
+    segments: list[Any] = dataclasses.field(default_factory=list)
+    """Parts cut off earlier by the sliding image window (train/image_window.py `Segment`s, in
+    order); each trains as a sequence of its own with the trajectory's advantage. The fields
+    above hold the last part (the context the task ended in)."""
 
     @property
     def ok(self) -> bool:

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tiderl.models.config import ModelConfig
 from tiderl.models.lora import LoraSpec
@@ -71,9 +71,10 @@ from tiderl.models.policy import (
     serving_params,
 )
 from tiderl.models.sharding import state_shardings
+from tiderl.models.vlm import image_input, mrope_positions
 from tiderl.train import ra2p
 from tiderl.train.config import TrainerConfig
-from tiderl.train.dispatch import MicroBatch
+from tiderl.train.dispatch import MicroBatch, bucket_rows
 from tiderl.train.grpo import LossSpec, normalizer
 from tiderl.train.phase_clock import PhaseClock
 from tiderl.train.ref_actor import (
@@ -318,7 +319,29 @@ class TrainerBackend:
         if rows % n:
             raise ValueError(f"micro-batch has {rows} rows, not divisible by the {role} mesh's "
                              f"{n} data-parallel shards; pack with n_ranks={n}")
-        return jax.device_put(mb.arrays(), batch_sharding(mesh))
+        arrays = mb.arrays()
+        images = None
+        if mb.images:
+            arrays["positions_bt"], images = self.images_input(mb)
+        batch = jax.device_put(arrays, batch_sharding(mesh))
+        if images is not None:
+            # Replicated: every data shard's rows index the features of the whole batch.
+            batch["images"] = jax.device_put(images, NamedSharding(mesh, PartitionSpec()))
+        return batch
+
+    def images_input(self, mb: MicroBatch) -> tuple[np.ndarray, Any]:
+        """([B, T, 3] M-RoPE positions of the packed rows, each sequence from 0, the vision
+        tower's `ImageInput` with the patch rows padded to a power of two: one compiled shape
+        per bucket)."""
+        vision = self.model_cfg.vision
+        if vision is None:
+            raise ValueError(f"a micro-batch carries {len(mb.images)} images but model.vision "
+                             "is null (a text-only policy); train a vision-language model")
+        pixels = np.concatenate([np.asarray(p, np.float32) for p, _ in mb.images])
+        grid = np.asarray([np.asarray(g).reshape(3) for _, g in mb.images], np.int64)
+        pad_to = max(bucket_rows(pixels.shape[0]), vision.spatial_merge_size ** 2)
+        positions = mrope_positions(mb.tokens_bt, grid, self.model_cfg, mb.segment_ids_bt)
+        return positions.astype(np.int32), image_input(pixels, grid, vision, pad_to=pad_to)
 
     @property
     def uses_ref(self) -> bool:

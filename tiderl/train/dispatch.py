@@ -15,6 +15,13 @@ The training batch format (`MicroBatch.arrays()`, consumed by train/ref_actor.py
 | advantages_bt | float32 | the sequence's advantage on each of its tokens (or one per token) |
 | versions_bt | int32 | weight version that generated the token at t (staleness weights) |
 
+With images (a vision-language policy) the micro-batch carries them beside the arrays
+(`MicroBatch.images`: each (patch rows, grid_thw), in the row-major order of their placeholder
+runs in `tokens_bt`, as the policy's forward takes them); the trainer turns them into the vision
+tower's input, replaces `positions_bt` by the [B, T, 3] M-RoPE positions of each sequence
+(`models.vlm.mrope_positions` with the segment ids) and recomputes the image features in the
+Ref and Actor forwards.
+
 Shift convention: every per-token quantity is aligned with the *predicted* token. The logprob at
 t is `log_softmax(logits[t − 1] / T)[tokens[t]]`, so a sequence's first token can never be an
 action token (it has no prediction inside its segment) and `loss_mask` at t = 0 of a segment is 0.
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -50,6 +57,9 @@ class TrainSequence:
     each turn's action tokens carry their turn's advantage)."""
     versions: np.ndarray | int = 0
     """Weight version per token ([L]) or one version for the whole sequence."""
+    images: tuple[Any, ...] = ()
+    """The sequence's images in the order of their placeholder runs, each (patch rows
+    [patches, C·tp·p·p] float32, grid_thw (t, h, w)) as the image processor gives them."""
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -199,6 +209,8 @@ class MicroBatch:
     advantages_bt: np.ndarray
     versions_bt: np.ndarray
     uids: tuple[int, ...]
+    images: tuple[Any, ...] = ()
+    """(patch rows, grid_thw) per image, in the row-major order of the placeholder runs."""
 
     @property
     def n_seqs(self) -> int:
@@ -211,7 +223,7 @@ class MicroBatch:
     def arrays(self) -> dict[str, np.ndarray]:
         """The pytree the jitted functions take (host uids stay behind)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "uids"}
+                if f.name not in ("uids", "images")}
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
@@ -252,7 +264,9 @@ def pack_microbatch(trajs: Sequence[TrainSequence], ranks: Sequence[Sequence[int
     blp = np.zeros(shape, np.float32)
     adv = np.zeros(shape, np.float32)
     ver = np.zeros(shape, np.int32)
-    uids = []
+    uids, images = [], []
+    # Rows in increasing order, sequences in row order: the images are collected in the
+    # row-major order of their placeholders, the order the policy's forward assigns them.
     for r, (rank, rows) in enumerate(zip(ranks, per_rank, strict=False)):
         for k, row in enumerate(rows):
             b, t0 = r * r_rows + k, 0
@@ -262,6 +276,7 @@ def pack_microbatch(trajs: Sequence[TrainSequence], ranks: Sequence[Sequence[int
                 sl = slice(t0, t0 + n)
                 tokens[b, sl] = tr.tokens
                 positions[b, sl] = np.arange(n)
+                images.extend(tr.images)
                 segs[b, sl] = seg
                 m = np.asarray(tr.action_mask, bool)
                 mask[b, sl] = m
@@ -270,7 +285,7 @@ def pack_microbatch(trajs: Sequence[TrainSequence], ranks: Sequence[Sequence[int
                 ver[b, sl] = tr.versions
                 uids.append(tr.uid)
                 t0 += n
-    return MicroBatch(tokens, positions, segs, mask, blp, adv, ver, tuple(uids))
+    return MicroBatch(tokens, positions, segs, mask, blp, adv, ver, tuple(uids), tuple(images))
 
 
 def microbatches(trajs: Sequence[TrainSequence], *, n_ranks: int, row_len: int,

@@ -136,6 +136,25 @@ def _merge(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None) 
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
+def _images_kw(batch: dict) -> dict:
+    """The policy call's `images=` when the batch has images (vision-language policies; text
+    policies are never passed the keyword)."""
+    return {"images": batch["images"]} if batch.get("images") is not None else {}
+
+
+def _split_images(batch: dict) -> tuple[dict, Any]:
+    """(the batch's row-sharded arrays, its images or None): the images are replicated, so
+    they enter the jitted functions as an argument of their own."""
+    if "images" not in batch:
+        return batch, None
+    rest = dict(batch)
+    return rest, rest.pop("images")
+
+
+def _join_images(batch: dict, images: Any) -> dict:
+    return batch if images is None else {**batch, "images": images}
+
+
 def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat: bool,
              token_chunk: int = 0, remat_group: int = 1):
     """params, batch -> (logprobs, entropies): through the policy's `hidden_states` + chunked
@@ -154,13 +173,15 @@ def _forward(graphdef: nnx.GraphDef, temperature: float, head_chunk: int, remat:
             kw = {"token_chunk": token_chunk} if token_chunk > 0 else {}
             if remat and remat_group > 1:
                 kw["remat_group"] = remat_group
+            kw.update(_images_kw(batch))
             h_btd, _ = model.hidden_states(tokens, batch["positions_bt"],
                                            batch["segment_ids_bt"], remat=remat, **kw)
             if head_chunk > 0:
                 return chunked_token_outputs(h_btd, model.head_vd(), tokens, temperature,
                                              head_chunk)
             return token_outputs(model.logits(h_btd), tokens, temperature)
-        logits, _ = model(tokens, batch["positions_bt"], batch["segment_ids_bt"])
+        logits, _ = model(tokens, batch["positions_bt"], batch["segment_ids_bt"],
+                          **_images_kw(batch))
         return token_outputs(logits, tokens, temperature)
 
     return forward
@@ -177,7 +198,8 @@ def make_logprobs(graphdef: nnx.GraphDef, temperature: float, *, head_chunk: int
         def logprobs(params: nnx.State, batch: dict, frozen: nnx.State | None = None
                      ) -> jax.Array:
             model = _merge(graphdef, params, frozen)
-            logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"])
+            logits, _ = model(batch["tokens_bt"], batch["positions_bt"], batch["segment_ids_bt"],
+                              **_images_kw(batch))
             return token_logprobs(logits, batch["tokens_bt"], temperature)
 
         return logprobs
@@ -317,37 +339,47 @@ def _forward_kernels(logprobs: Any, outputs: Any, sh: TrainShardings, traces: _T
     """(ref_forward, logprobs, actor_forward): the Ref and policy logprobs, and the Actor
     forward returning its `DeferredVjp`."""
 
-    def ref_fwd(ref_params, batch):
+    # A batch's images (vision-language policies) are replicated, not row-sharded: they are
+    # split off into an argument of their own (None without images).
+    actor_replicated = NamedSharding(sh.batch.mesh, PartitionSpec())
+
+    def ref_fwd(ref_params, batch, images):
         traces.count("ref_forward")
-        return ref_logprobs(ref_params, batch)
+        return ref_logprobs(ref_params, _join_images(batch, images))
 
     ref_tokens = batch_sharding(ref_mesh) if ref_mesh is not None else sh.tokens
-    ref_forward = jax.jit(
+    ref_forward_jit = jax.jit(
         ref_fwd, in_shardings=(ref_param_shardings if ref_param_shardings is not None
-                               else sh.params, ref_tokens),
+                               else sh.params, ref_tokens,
+                               NamedSharding(ref_tokens.mesh, PartitionSpec())),
         out_shardings=ref_tokens)
 
-    def policy_logprobs(params, batch, frozen):
-        traces.count("logprobs")
-        return logprobs(params, batch, frozen)
+    def ref_forward(ref_params, batch):
+        return ref_forward_jit(ref_params, *_split_images(batch))
 
-    policy_lp_jit = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch, sh.frozen),
-                            out_shardings=sh.tokens)
+    def policy_logprobs(params, batch, images, frozen):
+        traces.count("logprobs")
+        return logprobs(params, _join_images(batch, images), frozen)
+
+    policy_lp_jit = jax.jit(policy_logprobs, in_shardings=(sh.params, sh.batch, actor_replicated,
+                                                           sh.frozen), out_shardings=sh.tokens)
 
     def policy_lp(params, batch, frozen=None):
-        return policy_lp_jit(params, batch, frozen)
+        return policy_lp_jit(params, *_split_images(batch), frozen)
 
-    def actor_fwd(params, batch, frozen):
+    def actor_fwd(params, batch, images, frozen):
         traces.count("actor_forward")
+        batch = _join_images(batch, images)
         # Gradients w.r.t. `params` only (the adapters under LoRA); the frozen base's arrays
         # are residuals like the params', so the vjp refers to them in place too.
         outs, vjp = jax.vjp(lambda p: outputs(p, batch, frozen), params)
         return outs, DeferredVjp.strip(vjp, (params, frozen))
 
-    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch, sh.frozen))
+    actor_forward_jit = jax.jit(actor_fwd, in_shardings=(sh.params, sh.batch, actor_replicated,
+                                                         sh.frozen))
 
     def actor_forward(params, batch, frozen=None):
-        outs, vjp = actor_forward_jit(params, batch, frozen)
+        outs, vjp = actor_forward_jit(params, *_split_images(batch), frozen)
         return outs, vjp.with_params((params, frozen))
 
     return ref_forward, policy_lp, actor_forward

@@ -124,6 +124,10 @@ class SpmdTrainer(TrainerBackend):
         if rows % n:
             raise ValueError(f"micro-batch has {rows} rows, not divisible by the {role} mesh's "
                              f"{n} data-parallel shards; pack with n_ranks={n}")
+        if mb.images:
+            raise ValueError(f"a micro-batch carries {len(mb.images)} images; the multi-process "
+                             "trainer does not move images yet: train a vision-language "
+                             "model on one host")
         sh = batch_sharding(mesh)
         arrays = mb.arrays()
         mine = local_rows(sh, arrays["tokens_bt"].shape)
