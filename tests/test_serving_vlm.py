@@ -31,6 +31,9 @@ from tiderl.serving.pages import PrefillRequest
 from tiderl.serving.rank import RolloutRank
 from tiderl.train.grpo import token_logprobs
 
+# Each test compiles a dozen kernels per family (about 2-7 min a test on the shared 2-core box).
+pytestmark = pytest.mark.slow
+
 IMAGE, START, END = 290, 292, 293
 LOGITS_TOL, LOGPROB_TOL = 1e-5, 1e-4
 VISION = dict(depth=2, d_model=16, n_heads=2, mlp_dim=32, patch_size=4, temporal_patch_size=2,
