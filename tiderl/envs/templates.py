@@ -25,7 +25,7 @@ way: templates -> chat_templates -> turns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiderl.envs.chat_templates import jinja_template
@@ -47,14 +47,17 @@ class Transcript:
     _stopped: bool = True
 
     @classmethod
-    def start(cls, template: TurnTemplate, observation: str, *, system: str | None = None
-              ) -> Transcript:
+    def start(cls, template: TurnTemplate, observation: str, *, system: str | None = None,
+              expand: Callable[[list[int]], list[int]] | None = None) -> Transcript:
+        """`expand`: rewrites the rendered ids (a vision-language policy's image placeholders
+        repeated to each image's token count)."""
         t = cls(template)
         if system is not None and not template.system_open:
             # A template with no system role (the byte one, a checkpoint template that has none):
             # the system text leads the first observation, as such chat templates fold it.
             observation, system = f"{system}\n\n{observation}", None
-        t._extend(template.prompt(observation, system=system), 0)
+        ids = template.prompt(observation, system=system)
+        t._extend(ids if expand is None else expand(list(ids)), 0)
         return t
 
     def _extend(self, ids: Sequence[int], mask: int) -> None:
@@ -69,9 +72,13 @@ class Transcript:
         self._stopped = self.template.stopped(action_ids)
         return self.template.action_text(action_ids)
 
-    def add_observation(self, text: str) -> list[int]:
-        """Appends the env's reply (loss mask 0); returns the new ids (the next prefill)."""
+    def add_observation(self, text: str,
+                        expand: Callable[[list[int]], list[int]] | None = None) -> list[int]:
+        """Appends the env's reply (loss mask 0; `expand` as in `start`); returns the new ids
+        (the next prefill)."""
         ids = self.template.observation(text, action_stopped=self._stopped)
+        if expand is not None:
+            ids = expand(list(ids))
         self._extend(ids, 0)
         self._stopped = True
         return ids

@@ -14,8 +14,11 @@ action longer than the env server takes ends it `action_too_long`, a verdict tha
 a turn limit; an observation that does not fit rollout.max_context ends the task
 context_limit and is not kept (a trajectory holds only what the engine took, so it always fits
 trainer.row_len); a rank whose engine raises is quarantined (`RankFailedError`), its tasks resume
-on the other ranks. The policy reads text only: an observation's images (an image suite such
-as `gui`) become placeholder lines, `[image 1: image/png 640x400]` (logged once).
+on the other ranks. A text policy reads an observation's images (an image suite such as `gui`)
+as placeholder lines, `[image 1: image/png 640x400]` (logged once); a vision-language policy
+(`images=ImagePrompt`) gets each image's chat-template placeholder before the text, expanded to
+the image's token count, and the image's patches go with the turn to the engine (and into
+`Trajectory.images`).
 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -82,6 +86,9 @@ class Trajectory:
     error: str = ""
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     finished_at: float = 0.0
+    images: list[Any] = dataclasses.field(default_factory=list)
+    """A vision-language policy's images, in the order of their placeholder runs in `tokens`
+    (each `(patch rows, grid_thw)`, as the engine took them)."""
     segments: list[Any] = dataclasses.field(default_factory=list)
     """Parts cut off earlier by the sliding image window (train/image_window.py `Segment`s, in
     order); each trains as a sequence of its own with the trajectory's advantage. The fields
@@ -135,7 +142,7 @@ class RolloutManager:
     def __init__(self, ranks: Sequence[RolloutRank | None],
                  scheduler: CTBScheduler | VanillaScheduler,
                  env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None,
-                 eval_temperature: float | None = 0.0,
+                 eval_temperature: float | None = 0.0, images: Any = None,
                  runner: Callable[[RolloutManager, _Episode], Awaitable[Trajectory]] | None = None):
         self.ranks = list(ranks)
         """Rank slot → its rank (None: a slot no rank serves now; the scheduler has it dead)."""
@@ -151,6 +158,9 @@ class RolloutManager:
         self.runner = runner
         """Plays an episode instead of the env loop (`tiderl.agents`: agent and single-turn
         tasks); it drives turns through `agent_turn` and ends with `finished`."""
+        self.image_prompt = images
+        """A vision-language policy's `models.vision_inputs.ImagePrompt` (None: the policy
+        reads text, each image a placeholder line)."""
         self.episodes: dict[str, _Episode] = {}
         """Live episodes only (a finished one is forgotten)."""
         self._keys = itertools.count()
@@ -344,8 +354,9 @@ class RolloutManager:
                 traj.end_reason, traj.error = start.reason, start.error
                 return traj
             ep.session = start.session
-            transcript = Transcript.start(self.template, self._text(tid, start),
-                                          system=self.system)
+            text, images = self._observe(tid, start)
+            transcript = Transcript.start(self.template, text, system=self.system,
+                                          expand=self._expander(images))
             new_tokens = list(transcript.tokens)
             reward: float | None = None
             while True:
@@ -355,7 +366,7 @@ class RolloutManager:
                 self.kick()
                 # Executing from the turn's start (`_turn`) to its end: CTB never pauses it
                 # meanwhile, and its context counts in its rank's usage.
-                result = await self._turn(ep, new_tokens)
+                result = await self._turn(ep, new_tokens, images=images)
                 self.sched.set_executing(tid, False)
                 self.kick()  # waiting on its env now: the scheduler may park it
                 traj.turns += 1
@@ -365,6 +376,7 @@ class RolloutManager:
                     traj.end_reason = EndReason.context_limit
                     refused = len(new_tokens)  # the observation did not fit: not trained
                     break
+                traj.images += images
                 start_i = len(transcript)
                 action = transcript.add_action(result.action_tokens)
                 self._record(traj, transcript, start_i, result)
@@ -384,7 +396,8 @@ class RolloutManager:
                 if traj.turns >= self.max_turns:
                     traj.end_reason = EndReason.turn_limit
                     break
-                new_tokens = transcript.add_observation(self._text(tid, step))
+                text, images = self._observe(tid, step)
+                new_tokens = transcript.add_observation(text, expand=self._expander(images))
             self._settle(traj, await self.env.end(ep.session), reward)
             return traj
         except asyncio.CancelledError:
@@ -404,6 +417,17 @@ class RolloutManager:
             self._close(ep)
             self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
                 str(traj.end_reason), 0) + 1
+
+    def _observe(self, task_id: str, result: Any) -> tuple[str, list[Any]]:
+        """An observation's text to render and, for a vision-language policy (`images`), its
+        images patched for the vision tower (their placeholders lead the text)."""
+        if self.image_prompt is None:
+            return self._text(task_id, result), []
+        return self.image_prompt.observation(result.observation, getattr(result, "images", ()))
+
+    def _expander(self, images: list[Any]) -> Callable[[list[int]], list[int]] | None:
+        return None if self.image_prompt is None else functools.partial(
+            self.image_prompt.expand, images)
 
     def _text(self, task_id: str, result: Any) -> str:
         """An observation as the (text-only) policy reads it: each image a placeholder line."""
@@ -456,12 +480,15 @@ class RolloutManager:
             str(traj.end_reason), 0) + 1
 
     async def _turn(self, ep: _Episode, new_tokens: list[int], *,
-                    max_action_tokens: int | None = None) -> TurnResult:
+                    max_action_tokens: int | None = None,
+                    images: list[Any] | None = None) -> TurnResult:
         """Runs one turn on the task's rank. When the task has moved (CTB resumed it on another
         rank between turns, or the rank running this turn failed and was quarantined), the
         turn takes the task's `Handoff` from the rank that holds it and the new rank re-prefills
-        the KV: exactly the tokens that were never fed, or the finished turn itself."""
+        the KV: exactly the tokens that were never fed (with their images), or the finished
+        turn itself. `images`: those whose placeholder runs `new_tokens` holds."""
         pending = list(new_tokens)
+        pending_images = images
         prefix: Prefix | None = None
         given = False  # this turn's tokens reached `ep.holder`
         while True:
@@ -479,9 +506,9 @@ class RolloutManager:
                     if h.result is not None:
                         return h.result  # finished there; only its delivery was lost
                     if h.unfed is not None:
-                        pending = h.unfed
+                        pending, pending_images = h.unfed, h.unfed_images
                     elif h.prefix is not None:
-                        pending = []  # mid-action: the new rank continues it
+                        pending, pending_images = [], None  # mid-action: continued there
                 given = False
                 continue  # the task may have moved again while the release was awaited
             temp = self.eval_temperature if ep.task.is_eval else None
@@ -489,7 +516,7 @@ class RolloutManager:
             try:
                 fut = rank.turn(ep.key, pending, prefix, sample_id=ep.num_id, temperature=temp,
                                 share_key=ep.task.group_id,
-                                max_action_tokens=max_action_tokens)
+                                max_action_tokens=max_action_tokens, images=pending_images)
                 ep.holder, given, prefix = rank.rank_id, True, None
                 return await fut
             except RankFailedError:
