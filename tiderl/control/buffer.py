@@ -192,8 +192,7 @@ class ReadinessBuffer:
                                      action_mask=np.asarray(t.loss_mask, bool),
                                      behaviour_logprobs=np.asarray(t.logprobs, np.float32),
                                      advantage=a, versions=np.asarray(t.versions, np.int32),
-                                     # A text rollout's trajectories have no images.
-                                     images=tuple(getattr(t, "images", ()))))
+                                     images=tuple(t.images)))
         return out
 
     # -- consumer side -------------------------------------------------------------------------
