@@ -135,11 +135,11 @@ def bench_batch(b, args, hf, cfg, graphdef, params, prompts):
     table = eng.pages.table_array([h.slot for h in hs], b)
     start = np.full(b, ctx, np.int32)
     tok = np.asarray([[h.tokens[ctx]] for h in hs], np.int32)
-    ones = np.ones(b, np.int32)
+    ones, delta_b = np.ones(b, np.int32), np.zeros(b, np.int32)  # text: no M-RoPE delta
 
     def paged():
         state.pools, packed, _ = fn(params, state.pools, eng.run_key, tok, start, ones, table,
-                                    task_b, temp_b)
+                                    task_b, temp_b, delta_b)
         np.asarray(packed)
     runs["paged"] = lambda: _timed(paged, steps)
 

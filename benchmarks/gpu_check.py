@@ -304,14 +304,15 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
         state, _ = eng.generate(None, state)  # compiles this bucket's decode step
         t_eng = _median_time(lambda state=state: eng.generate(None, state), steps)
         ones, task = np.ones(b, np.int32), np.arange(b, dtype=np.int32)
-        temp = np.ones(b, np.float32)
+        temp, delta = np.ones(b, np.float32), np.zeros(b, np.int32)  # text: no M-RoPE delta
 
-        def device_steps(tok=tok, start=start, tbl=tbl, ones=ones, task=task, temp=temp):
+        def device_steps(tok=tok, start=start, tbl=tbl, ones=ones, task=task, temp=temp,
+                         delta=delta):
             # Dispatched back to back, pools donated and fed forward: the device's own rate.
             pools, packed = eng.state.pools, None
             for _ in range(steps):
                 pools, packed, _ = fn(eng.params, pools, eng.run_key, tok, start, ones, tbl,
-                                      task, temp)
+                                      task, temp, delta)
             eng.state.pools = pools
             return np.asarray(packed)
 

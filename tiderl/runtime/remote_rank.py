@@ -187,9 +187,14 @@ class RemoteRank:
     def turn(self, task_id: int, new_tokens: Sequence[int], prefix: Any = None, *,
              sample_id: int | None = None, temperature: float | None = None,
              share_key: str | None = None,
-             max_action_tokens: int | None = None) -> asyncio.Future:
+             max_action_tokens: int | None = None,
+             images: Sequence[Any] | None = None) -> asyncio.Future:
         if self.failed is not None:
             raise RankFailedError(f"rank {self.rank_id} is quarantined: {self.failed!r}")
+        if images:
+            raise ValueError(f"rank {self.rank_id} is on another process, and images do not "
+                             "cross processes yet: run a vision-language policy's rollout "
+                             "ranks on the controller's process (one host)")
         old = self._turns.get(task_id)
         if old is not None and not old.done():
             raise RuntimeError(f"task {task_id} already has a turn in flight on rank "
