@@ -116,8 +116,11 @@ def test_textworld_chat_form_plays_the_valid_action_a_reply_names_earliest():
         TextWorldGame({"format": "chat"})
     with pytest.raises(ValueError, match="format='json' must be 'text' or 'chat'"):
         TextWorldGame({"format": "json", "admissible": "true"})
-    with pytest.raises(ValueError, match="format_bonus=1.0 must be in"):
-        TextWorldGame({"format": "chat", "admissible": "true", "format_bonus": "1"})
+    for bad in ("1", "x"):
+        with pytest.raises(ValueError, match=f"format_bonus={bad} must be a number in"):
+            TextWorldGame({"format": "chat", "admissible": "true", "format_bonus": bad})
+    with pytest.raises(ValueError, match="format_bonus .* set format=chat too"):
+        TextWorldGame({"format_bonus": "0.1"})
 
 
 @pytest.mark.slow

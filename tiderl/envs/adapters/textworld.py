@@ -209,9 +209,16 @@ class TextWorldGame(Adapter):
         if self.format == "chat" and not self.admissible:
             raise ValueError("suite option format=chat reads replies against the valid actions: "
                              "set admissible=true too")
-        self.format_bonus = float(self.options.get("format_bonus", "0"))
+        bonus = self.options.get("format_bonus", "0")
+        try:
+            self.format_bonus = float(bonus)
+        except ValueError:
+            self.format_bonus = -1.0
         if not 0.0 <= self.format_bonus < 1.0:
-            raise ValueError(f"suite option format_bonus={self.format_bonus} must be in [0, 1)")
+            raise ValueError(f"suite option format_bonus={bonus} must be a number in [0, 1)")
+        if self.format_bonus and self.format != "chat":
+            raise ValueError("suite option format_bonus pays replies that are valid actions, "
+                             "which the chat form reads: set format=chat too")
         self.turns = self.valid_turns = 0
         self.env: Any = None
         self.state: Any = None
