@@ -51,6 +51,15 @@ def expand_image_placeholders(ids: Any, grid_thw: Any, vision: Any) -> list[int]
     return out
 
 
+def grid_positions(grid_thw: Any, merge: int) -> np.ndarray:
+    """[t·(h/merge)·(w/merge), 3] (t, h, w) offsets of one image's merged tokens, row-major:
+    what an image run adds to the position of the text before it."""
+    t, h, w = (int(x) for x in grid_thw)
+    tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // merge), np.arange(w // merge),
+                             indexing="ij")
+    return np.stack([tt, hh, ww], -1).reshape(-1, 3)
+
+
 def _row_positions(tokens_t: np.ndarray, grids: list[list[int]], image_token: int,
                    m: int) -> np.ndarray:
     """[T, 3] positions of one sequence whose image runs take `grids` in order (popped)."""
@@ -73,8 +82,7 @@ def _row_positions(tokens_t: np.ndarray, grids: list[list[int]], image_token: in
             raise ValueError(f"an image placeholder run at token {i} is not the {n} tokens "
                              f"grid_thw {[t, h, w]} needs; emit placeholder_count(...) tokens "
                              "per image")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
-        out[i:i + n] = pos + np.stack([tt, hh, ww], -1).reshape(n, 3)
+        out[i:i + n] = pos + grid_positions((t, h, w), m)
         pos, i = pos + max(gh, gw), i + n
     return out
 

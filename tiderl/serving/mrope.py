@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tiderl.models.rope_index import grid_positions
 from tiderl.models.vision_inputs import PatchedImage
 
 __all__ = ["ImageSpan", "PatchedImage", "context_key", "positions", "rope_delta",
@@ -133,11 +134,7 @@ def positions(spans: Sequence[ImageSpan], start: int, end: int) -> np.ndarray:
         if s.start >= end:
             break
         if s.end > start:
-            t, h, w = s.grid_thw
-            m = s.merge
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m),
-                                     indexing="ij")
-            grid = np.stack([tt, hh, ww], -1).reshape(-1, 3) + s.start + delta
+            grid = grid_positions(s.grid_thw, s.merge) + s.start + delta
             lo, hi = max(s.start, start), min(s.end, end)
             out[lo - start:hi - start] = grid[lo - s.start:hi - s.start]
         step = s.advance - s.n_tokens
