@@ -59,11 +59,12 @@ from tiderl.serving.rank import RolloutRank
 from tiderl.serving.rollout import RolloutManager
 from tiderl.sim.clock import CpuMeter, run_virtual
 from tiderl.sim.costs import SimCostModel, load_profile, model_shape
-from tiderl.sim.envs import SimAgentEnv
+from tiderl.sim.envs import IMAGE, SimAgentEnv
 from tiderl.sim.run import SeedStream
 from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 from tiderl.sim.virtual_engine import SimEngine
 from tiderl.sim.virtual_ers import has_cells, wire
+from tiderl.sim.window import WindowedRollout
 from tiderl.sim.workloads import Sampler, workload
 
 MODES = ("sync", "async", "stream", "tiderl")
@@ -249,6 +250,21 @@ def _layout(cfg: SimConfig, costs: SimCostModel, trainer: SimTrainer, batcher: A
         join_cost_s=costs.weight_sync(cross_node=False, gpus_per_rank=cfg.gpus_per_rank))
 
 
+def _manager(wl: dict[str, Any], ranks: list, sched: Any, env: Any, tmpl: Any,
+             max_turns: int) -> RolloutManager:
+    """The rollout loop: with the sliding image window where the workload has one (one
+    window per job: a mix of windowed workloads must agree on it)."""
+    windows = {(w.image_window, w.image_keep) for w in wl.values() if w.image_window}
+    if not windows:
+        return RolloutManager(ranks, sched, env, tmpl, max_turns=max_turns)
+    if len(windows) > 1 or any(w.image_tokens and not w.image_window for w in wl.values()):
+        raise ConfigError(f"sim workloads {sorted(wl)} mix image windows {sorted(windows)}; "
+                          "simulate workloads of one window together")
+    (window, keep), = windows
+    return WindowedRollout(ranks, sched, env, tmpl, max_turns=max_turns, window=window,
+                           keep=keep, image_token=ord(IMAGE))
+
+
 async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     costs = build_costs(cfg)
     wl = {w: dataclasses.replace(workload(w), drift_steps=cfg.drift_steps)
@@ -259,11 +275,15 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     tmpl = template_for(_Bytes(), "byte")
     kv = cfg.kv_tokens or costs.kv_capacity_tokens(cfg.gpus_per_rank)
     num_pages = kv // cfg.page_size
+    # GUI workloads: screenshots are image-token runs (the vision tower's, if the model has one)
+    image_token = ord(IMAGE) if any(w.image_tokens for w in wl.values()) else None
+
     def make_engine() -> SimEngine:
         return SimEngine(seed=cfg.seed, max_action_tokens=max_context, max_context=max_context,
                          stop_tokens=tuple(sorted(tmpl.stop_ids)), costs=costs,
                          num_pages=num_pages, page_size=cfg.page_size,
-                         max_slots=cfg.max_slots, actions=sampler, gpus=cfg.gpus_per_rank)
+                         max_slots=cfg.max_slots, actions=sampler, gpus=cfg.gpus_per_rank,
+                         image_token=image_token)
 
     made: list[RolloutRank] = []
 
@@ -300,7 +320,8 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                                if r is not None))
 
     order = "colocated" if colocated else "decoupled"
-    batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu, order=order)
+    batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu,
+                              order=order, image_token=image_token)
     layout, apply_roles = _layout(cfg, costs, trainer, batcher, new_rank, colocated)
     ccfg = ControllerConfig(mode=cfg.mode, steps=cfg.steps, groups_per_step=cfg.groups_per_step,
                             groups_per_microbatch=cfg.groups_per_microbatch,
@@ -313,7 +334,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                                  group_size=cfg.group_size))
     evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
                       group_size=cfg.eval_group_size)
-    manager = RolloutManager(ranks, sched, env, tmpl, max_turns=max_turns)
+    manager = _manager(wl, ranks, sched, env, tmpl, max_turns)
     metrics = MetricsSink(run_dir, console=False)
     log, t_real = metrics.log, time.perf_counter()
 

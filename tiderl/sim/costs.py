@@ -29,6 +29,7 @@ from typing import Any
 
 from tiderl.configlib import ConfigError
 from tiderl.sim import memory
+from tiderl.sim.vision_tower import QWEN3_VL_4B, SCREEN, VisionShape
 
 PROFILES = Path(__file__).with_name("profiles")
 COMPONENTS = ("flops", "hbm", "link", "pcie")
@@ -51,6 +52,10 @@ class ModelShape:
     tied: bool = False
     dtype_bytes: int = 2
     """Bytes per weight/activation element in serving and the bf16 training copy."""
+    vision: VisionShape | None = None
+    """A vision-language model's tower (`tiderl.sim.vision_tower`): its weights are served
+    beside the decoder's, it runs in prefill over the images a call computes, and (frozen) in
+    the trainer's Ref and Actor forwards."""
 
     @functools.cached_property
     def layer_params(self) -> int:
@@ -74,7 +79,16 @@ class ModelShape:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
+        tower = self.vision.weight_bytes(self.dtype_bytes) if self.vision else 0
+        return self.params * self.dtype_bytes + tower
+
+    @functools.cached_property
+    def vision_flops_per_token(self) -> float:
+        """The tower's forward FLOPs per image token, every image a 1280×720 screenshot
+        (`tiderl.sim.vision_tower.SCREEN`, the paper's GUI tasks): 0 without a tower."""
+        if self.vision is None:
+            return 0.0
+        return self.vision.flops_per_image(*SCREEN) / self.vision.image_tokens(*SCREEN)
 
     def attn_flops(self, pairs: float) -> float:
         """FLOPs of attention over `pairs` (query, key) pairs: QKᵀ and AV, every layer."""
@@ -90,10 +104,14 @@ MODELS: dict[str, ModelShape] = {
                              n_kv_heads=4, head_dim=128, mlp_dim=18944, vocab=152064),
     "qwen2.5-14b": ModelShape(name="qwen2.5-14b", n_layers=48, d_model=5120, n_heads=40,
                               n_kv_heads=8, head_dim=128, mlp_dim=13824, vocab=152064),
-    # Qwen3-4B's text decoder (the language model of Qwen3-VL-4B); the vision tower is counted
-    # as prefill tokens by the workload.
+    # Qwen3-4B's text decoder (the language model of Qwen3-VL-4B), without the tower.
     "qwen3-4b": ModelShape(name="qwen3-4b", n_layers=36, d_model=2560, n_heads=32,
                            n_kv_heads=8, head_dim=128, mlp_dim=9728, vocab=151936, tied=True),
+    # Qwen3-VL-4B (config.json of Qwen/Qwen3-VL-4B-Instruct): the same decoder (text_config)
+    # with its vision tower (vision_config, tiderl.sim.vision_tower).
+    "qwen3-vl-4b": ModelShape(name="qwen3-vl-4b", n_layers=36, d_model=2560, n_heads=32,
+                              n_kv_heads=8, head_dim=128, mlp_dim=9728, vocab=151936, tied=True,
+                              vision=QWEN3_VL_4B),
     # The embedded CPU default (configs/default.yaml), float32.
     "tiny": ModelShape(name="tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
                        head_dim=16, mlp_dim=128, vocab=272, tied=True, dtype_bytes=4),
@@ -341,10 +359,24 @@ class SimCostModel:
             todo = [row for row in todo if row[1] > 0]
         return out
 
-    def prefill(self, rows: Sequence[tuple[int, int]], gpus: int = 1) -> float:
-        """One prefill call (see `prefill_work`): the sum of its rounds."""
+    def prefill(self, rows: Sequence[tuple[int, int]], gpus: int = 1, *,
+                image_tokens: int = 0) -> float:
+        """One prefill call (see `prefill_work`): the sum of its rounds, plus the vision
+        tower over the images whose `image_tokens` the call computes (`vision_prefill`)."""
         op = self._ops["prefill"]
-        return sum(op(**w) for w in self.prefill_work(rows, gpus))
+        t = sum(op(**w) for w in self.prefill_work(rows, gpus))
+        return t + self.vision_prefill(image_tokens, gpus) if image_tokens else t
+
+    def vision_prefill(self, image_tokens: int, gpus: int = 1) -> float:
+        """The vision tower over the images of `image_tokens` language-model tokens, inside a
+        prefill call (no call overhead of its own): its FLOPs at the prefill rate or its
+        weights read once at the HBM rate, the slower. 0 for a model without a tower."""
+        m = self.model
+        if m.vision is None or image_tokens <= 0:
+            return 0.0
+        op = self._ops["prefill"]
+        return op(flops=m.vision_flops_per_token * image_tokens / gpus,
+                  hbm=m.vision.weight_bytes(m.dtype_bytes) / gpus) - op.c0
 
     def decode_work(self, *, batch: int, context_sum: int, gpus: int = 1) -> dict[str, float]:
         r, m = self.rules, self.model
@@ -393,21 +425,24 @@ class SimCostModel:
 
     # -- trainer ----------------------------------------------------------------------------
     def train_work(self, rank_lens: Sequence[Sequence[int]], *, row_len: int | None,
-                    backward: bool) -> dict[str, float]:
+                    backward: bool, rank_images: Sequence[int] = ()) -> dict[str, float]:
         """Work of one micro-batch on a data-parallel group, one list of sequence lengths per
         rank: the busiest rank's compute (ranks wait for each other at the collectives) and the
-        group's FSDP traffic."""
+        group's FSDP traffic. `rank_images`: image tokens per rank, whose features a forward
+        recomputes with the (frozen) vision tower; a backward does not reach the tower."""
         m = self.model
         gpus = max(1, len(rank_lens))
         mult = 2.0 if backward else 1.0  # a backward pass is twice its forward
+        tower = 0.0 if backward else m.vision_flops_per_token
         flops = act = 0.0
-        for lens in rank_lens:
+        for i, lens in enumerate(rank_lens):
             if row_len:  # the JAX trainer: packed rows of row_len, bucketed to powers of 2
                 rows = _pow2_bucket(max(1, math.ceil(sum(lens) / row_len)))
                 tokens, pairs = rows * row_len, rows * row_len * row_len
             else:
                 tokens, pairs = sum(lens), sum(s * (s + 1) / 2 for s in lens)
-            flops = max(flops, mult * m.forward_flops(tokens, pairs))
+            images = rank_images[i] if i < len(rank_images) else 0
+            flops = max(flops, mult * m.forward_flops(tokens, pairs) + tower * images)
             act = max(act, mult * tokens * m.d_model * m.n_layers * 16)
         hbm = mult * m.weight_bytes / gpus + act
         # FSDP: params all-gathered in the forward; all-gathered again and grads
@@ -424,19 +459,21 @@ class SimCostModel:
         return nbytes * dev.nvlink_bw / dev.cross_node_bw
 
     def ref_forward(self, rank_lens: Sequence[Sequence[int]], *,
-                    row_len: int | None = None) -> float:
+                    row_len: int | None = None, images: Sequence[int] = ()) -> float:
         return self._ops["ref_forward"](**self.train_work(rank_lens, row_len=row_len,
-                                                           backward=False))
+                                                           backward=False, rank_images=images))
 
     def actor_forward(self, rank_lens: Sequence[Sequence[int]], *,
-                      row_len: int | None = None) -> float:
+                      row_len: int | None = None, images: Sequence[int] = ()) -> float:
         return self._ops["actor_forward"](**self.train_work(rank_lens, row_len=row_len,
-                                                             backward=False))
+                                                             backward=False,
+                                                             rank_images=images))
 
     def actor_backward(self, rank_lens: Sequence[Sequence[int]], *,
-                       row_len: int | None = None) -> float:
+                       row_len: int | None = None, images: Sequence[int] = ()) -> float:
         return self._ops["actor_backward"](**self.train_work(rank_lens, row_len=row_len,
-                                                              backward=True))
+                                                              backward=True,
+                                                              rank_images=images))
 
     # -- memory (tiderl.sim.memory) -----------------------------------------------------------
     def _device(self) -> Device:

@@ -4,7 +4,10 @@
 the planned length, each `/observation` waits the planned latency and returns an observation of
 the planned length until the planned rounds are played, `/end` gives reward 1 to successful
 tasks. Observation text is one byte per token under the byte tokenizer, so context lengths are
-exactly the plan's (plus the turn template's few role tokens).
+exactly the plan's (plus the turn template's few role tokens). A GUI workload's screenshot
+(`Workload.image_tokens`) is a run of `IMAGE` characters: after the prompt's text (so the
+prompt's text is the head the sliding window keeps), before each observation's text (where the
+vision-language policy's placeholders go).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from typing import Any
 from tiderl.envs.protocol import EndReason, EndResult, OpResult, StartResult, StepResult
 from tiderl.sim.workloads import Sampler, TaskPlan
 
+IMAGE = "i"
+"""A screenshot's image tokens, one character per token under the byte tokenizer."""
+
 
 @dataclasses.dataclass
 class _SimSession:
     task_id: str
     plan: TaskPlan
     turns: int = 0
+    image_tokens: int = 0
 
 
 class SimAgentEnv:
@@ -45,12 +52,14 @@ class SimAgentEnv:
         plan = self.sampler.plan(suite, task["task_id"], self.step_of())
         self.started += 1
         sid = f"s{self.started}"
-        self.sessions[sid] = _SimSession(task["task_id"], plan)
+        self.sessions[sid] = _SimSession(task["task_id"], plan,
+                                         image_tokens=self.sampler.workloads[suite].image_tokens)
         if plan.start_s:
             self.env_s += plan.start_s
             await asyncio.sleep(plan.start_s)
         w = self.sampler.workloads[suite]
-        return StartResult(session=sid, observation="p" * w.prompt_tokens)
+        return StartResult(session=sid, observation="p" * w.prompt_tokens
+                           + IMAGE * w.image_tokens)
 
     async def step(self, session: str, action: str) -> StepResult:
         s = self.sessions.get(session)
@@ -62,7 +71,8 @@ class SimAgentEnv:
         s.turns += 1
         if s.turns >= s.plan.rounds:
             return StepResult(done=True, reward=float(s.plan.success), turn=s.turns)
-        return StepResult(observation="o" * s.plan.obs_tokens[s.turns - 1], turn=s.turns)
+        return StepResult(observation=IMAGE * s.image_tokens
+                          + "o" * s.plan.obs_tokens[s.turns - 1], turn=s.turns)
 
     async def end(self, session: str) -> EndResult:
         s = self.sessions.pop(session, None)

@@ -45,6 +45,8 @@ class SimMicroBatch:
     ranks: tuple[tuple[int, ...], ...]
     n_action_tokens: int
     n_seqs: int
+    images: tuple[int, ...] = ()
+    """Image tokens per rank (their features are recomputed by the vision tower)."""
 
     @property
     def tokens(self) -> int:
@@ -56,9 +58,11 @@ class SimMicroBatcher:
     fill a micro-batch waits for the next call (as `tiderl.runtime.parts.MicroBatcher`)."""
 
     def __init__(self, *, n_ranks: int, rank_budget: int, order: str = "colocated",
-                 balance: str = "lpt"):
+                 balance: str = "lpt", image_token: int | None = None):
         self.n_ranks, self.rank_budget = n_ranks, rank_budget
         self.order, self.balance = order, balance
+        self.image_token = image_token
+        """The simulated image token: each rank's count of it goes with its micro-batch."""
         self.waiting: list[Any] = []
 
     def __call__(self, seqs: Sequence[Any], final: bool) -> list[SimMicroBatch]:
@@ -71,10 +75,13 @@ class SimMicroBatcher:
         out = []
         for mb in plan.mbs:
             idx = [i for rank in mb for i in rank]
+            images = () if self.image_token is None else tuple(
+                sum(int((todo[i].tokens == self.image_token).sum()) for i in rank)
+                for rank in mb)
             out.append(SimMicroBatch(
                 ranks=tuple(tuple(lengths[i] for i in rank) for rank in mb),
                 n_action_tokens=sum(int(todo[i].action_mask.sum()) for i in idx),
-                n_seqs=len(idx)))
+                n_seqs=len(idx), images=images))
         return out
 
 
@@ -136,8 +143,10 @@ class SimTrainer:
             lens = [s for rank in mb.ranks for s in rank]
             ranks, _ = lpt_assign(lens, self.ref_gpus)
             start = max(now, self._ref_free)
+            # Image tokens re-spread over the Ref's ranks evenly (their features are recomputed).
+            images = (-(-sum(mb.images) // self.ref_gpus),) * self.ref_gpus if mb.images else ()
             self._ref_free = start + self.costs.ref_forward(
-                [[lens[i] for i in r] for r in ranks], row_len=self.row_len)
+                [[lens[i] for i in r] for r in ranks], row_len=self.row_len, images=images)
             self._times["ref"] += self._ref_free - start
             self._queue.append((mb, self._ref_free))
         else:
@@ -278,20 +287,24 @@ class SimTrainer:
         if self.mode == "decoupled":
             for mb, ref_done in group:
                 await self._ensure("actor")
-                await self._sleep("actor_fwd", c.actor_forward(mb.ranks, row_len=rl))
+                await self._sleep("actor_fwd", c.actor_forward(mb.ranks, row_len=rl,
+                                                               images=mb.images))
                 if ref_done > self.now():  # the deferred loss waits for its Ref logprobs
                     await self._sleep("ref_wait", ref_done - self.now())
-                await self._sleep("actor_bwd", c.actor_backward(mb.ranks, row_len=rl))
+                await self._sleep("actor_bwd", c.actor_backward(mb.ranks, row_len=rl,
+                                                                images=mb.images))
                 self._count(mb)
             return
         if self.uses_ref:
             await self._ensure("ref")
-            await self._sleep("ref", sum(c.ref_forward(mb.ranks, row_len=rl)
+            await self._sleep("ref", sum(c.ref_forward(mb.ranks, row_len=rl, images=mb.images)
                                          for mb, _ in group))
         await self._ensure("actor")
         for mb, _ in group:
-            await self._sleep("actor_fwd", c.actor_forward(mb.ranks, row_len=rl))
-            await self._sleep("actor_bwd", c.actor_backward(mb.ranks, row_len=rl))
+            await self._sleep("actor_fwd", c.actor_forward(mb.ranks, row_len=rl,
+                                                           images=mb.images))
+            await self._sleep("actor_bwd", c.actor_backward(mb.ranks, row_len=rl,
+                                                            images=mb.images))
             self._count(mb)
 
     def _count(self, mb: SimMicroBatch) -> None:

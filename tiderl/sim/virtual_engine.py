@@ -81,8 +81,11 @@ class SimEngine:
                  num_pages: int | None = None, page_size: int = 16,
                  max_slots: int | None = None, actions: ActionModel | None = None,
                  gpus: int = 1, decode_steps_per_call: int | None = None,
-                 host: Any = None):
+                 host: Any = None, image_token: int | None = None):
         self.seed, self.version = seed, 0
+        self.image_token = image_token
+        """The simulated image token: a prefill also runs the model's vision tower over the
+        images of the image tokens it computes (`SimCostModel.prefill`)."""
         self.max_action_tokens, self.max_context = max_action_tokens, max_context
         self.stop_tokens = tuple(stop_tokens)
         self.costs, self.gpus = costs, gpus
@@ -233,7 +236,8 @@ class SimEngine:
                 self._open(h)
             self._resize(h, end)
         if self.costs is not None and rows:
-            self._charge(self.costs.prefill([(s, e - s) for _, _, s, e, _ in rows], self.gpus))
+            self._charge(self.costs.prefill([(s, e - s) for _, _, s, e, _ in rows], self.gpus,
+                                            image_tokens=self._image_tokens(rows)))
         c = self.counters
         for h, new, start, end, taken in rows:
             self._after_prefill(h, new, start, end)
@@ -248,6 +252,20 @@ class SimEngine:
             while len(self._prompts) > (self.max_slots or 1 << 30):
                 self._prompts.popitem(last=False)
         return handles
+
+    def _image_tokens(self, rows: Sequence[tuple[Prefix, list[int], int, int, int]]) -> int:
+        """Image tokens among the positions [start, end) the rows compute (of each context,
+        its resident tokens followed by the new ones)."""
+        tok = self.image_token
+        if tok is None:
+            return 0
+        n = 0
+        for h, new, start, end, _ in rows:
+            held = len(h.tokens)
+            if start < held:
+                n += h.tokens[start:min(end, held)].count(tok)
+            n += new[max(0, start - held):max(0, end - held)].count(tok)
+        return n
 
     def _after_prefill(self, h: Prefix, new: list[int], start: int, end: int) -> None:
         c = self.counters
