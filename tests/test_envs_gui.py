@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
@@ -266,3 +267,213 @@ async def test_an_observation_that_does_not_fit_the_context_is_not_kept():
         assert 0 < len(t.tokens) <= 300
         assert len(t.tokens) == len(t.loss_mask) == len(t.logprobs) == len(t.versions)
         assert t.loss_mask[-1] == 1  # it ends with the last action the engine sampled
+
+
+# -- the grid layout and cell actions (a byte policy's form) -------------------------------------
+CELL = {**SMALL, "grid": "3x3", "icons": "4", "actions": "cell", "min_turns": "1",
+        "max_turns": "1"}
+
+
+def test_defaults_are_unchanged():
+    """No grid option: the free layout of before (icon boxes and budgets recorded from the
+    suite before the grid options existed)."""
+    a = GuiDesktop()
+    a.reset({"seed": 0})
+    assert [(i.app, i.box) for i in a.desk.icons] == [
+        ("Maps", (101, 320, 161, 369)), ("Settings", (105, 41, 165, 101)),
+        ("Music", (366, 226, 426, 273)), ("Calendar", (457, 270, 517, 341)),
+        ("Clock", (99, 208, 159, 249)), ("Files", (345, 128, 405, 200))]
+    assert a.budget == 16 and all(i.cell == 0 for i in a.desk.icons) and a.desk.cells == []
+    a.reset({"seed": 2})
+    assert [i.box for i in a.desk.icons][:2] == [(525, 194, 585, 260), (32, 190, 92, 233)]
+    assert a.budget == 6 and a.format_bonus == 0.0 and a.slack is None
+
+
+@pytest.mark.parametrize("grid,icons", [("2x2", 4), ("3x3", 2), ("3x3", 9), ("3x2", 5)])
+def test_the_grid_centres_each_icon_in_a_cell_of_its_own(grid, icons):
+    a = GuiDesktop({**SMALL, "grid": grid, "icons": str(icons)})
+    cols, rows = map(int, grid.split("x"))
+    sides, first_cells = set(), set()
+    for seed in range(30):
+        a.reset({"seed": seed})
+        desk = a.desk
+        assert len(desk.cells) == cols * rows
+        cells = [i.cell for i in desk.icons]
+        assert len(set(cells)) == icons and all(1 <= c <= cols * rows for c in cells)
+        shot = desk.render()
+        for icon in desk.icons:
+            cell = desk.cells[icon.cell - 1]
+            x0, y0, x1, y1 = icon.box
+            assert cell[0] <= x0 and x1 <= cell[2] and cell[1] <= y0 and y1 <= cell[3]
+            cx, cy = (cell[0] + cell[2]) // 2, (cell[1] + cell[3]) // 2
+            assert abs((x0 + x1) / 2 - cx) <= 1 and abs((y0 + y1) / 2 - cy) <= 1
+            sq = icon.square
+            assert sq[0] <= cx < sq[2] and sq[1] <= cy < sq[3]  # the centre is on the square
+            assert shot.getpixel((cx, cy)) != desk.background  # the icon (or its letter)
+            sides.add(sq[2] - sq[0])
+        first_cells.add(desk.icons[0].cell)
+    assert len(sides) >= 5  # sizes vary
+    assert len(first_cells) >= min(4, cols * rows)  # where an app sits is drawn per seed
+
+
+def test_the_oracle_solves_every_grid_task_windows_included():
+    a = GuiDesktop({**SMALL, "grid": "3x3", "icons": "6", "min_turns": "1", "max_turns": "16"})
+    kinds = set()
+    for seed in range(20):
+        reward, info, _ = play(a, seed, a.oracle_action)
+        assert reward == 1.0 and info["turns"] == info["oracle_turns"], (seed, info)
+        kinds |= {g[0] for g in a.goals}
+    assert kinds == {"open", "close", "fill"}
+
+
+def test_a_cell_reply_clicks_the_cells_centre_and_opens_the_icon_there():
+    a = GuiDesktop({**CELL, "max_turns": "6", "slack": "4"})
+    obs = a.reset({"seed": 7})
+    assert "1-9 clicks the centre of that cell of the 3x3 grid" in obs.text
+    assert "0 closes the open window" in obs.text
+    for icon in a.desk.icons:
+        step = a.step(f"{icon.cell}")
+        assert step.observation.startswith(f"opened {icon.app}.")
+        assert a.desk.window is not None and a.desk.window.app == icon.app
+        assert a.step("0").observation.startswith(f"closed {icon.app}.")  # 0 closes it
+        a.reset({"seed": 7})
+    empty = next(c for c in range(1, 10) if c not in {i.cell for i in a.desk.icons})
+    assert a.step(f"cell {empty}").observation.startswith("nothing happened (no icon there)")
+    assert a.step("0").observation.startswith("nothing happened (no window is open)")
+    # The first digit counts; click(x, y) still works under actions=cell.
+    icon = a.desk.icons[1]
+    assert a.step(f"{icon.cell}{a.desk.icons[0].cell}").observation.startswith(
+        f"opened {icon.app}")
+    a.reset({"seed": 7})
+    x, y = (icon.square[0] + icon.square[2]) // 2, (icon.square[1] + icon.square[3]) // 2
+    assert a.step(f"click({x}, {y})").observation.startswith(f"opened {icon.app}")
+    assert a.invalid == 0
+
+
+def test_the_cell_oracle_solves_open_and_close_tasks_in_exactly_their_turns():
+    a = GuiDesktop({**CELL, "min_turns": "1", "max_turns": "12"})
+    for seed in range(25):
+        reward, info, _ = play(a, seed, a.oracle_action)
+        assert reward == 1.0 and info["turns"] == info["oracle_turns"], (seed, info)
+        assert {g[0] for g in a.goals} <= {"open", "close"}  # a digit cannot type
+        assert a.budget == 2 * info["oracle_turns"] + 2
+    obs = a.reset({"seed": 3, "turns": 1})
+    assert obs.text.startswith(f"Task: open {a.goals[0][1]}.")
+    assert a.oracle_action() == str(a.desk.icon(a.goals[0][1]).cell)
+
+
+def test_invalid_cell_replies_use_a_turn_and_change_nothing():
+    a = GuiDesktop({**CELL, "grid": "2x2", "slack": "6"})
+    obs = a.reset({"seed": 4})
+    before = obs.images[0].data
+    bad = {"": "no digit found (0-4)", "abc": "no digit found", "seven": "no digit found",
+           "7": "cell 7 is not on the grid (1-4, or 0)", " 5 then 1": "cell 5 is not on"}
+    for turn, (action, words) in enumerate(bad.items(), 1):
+        step = a.step(action)
+        assert step.observation.startswith("invalid action: ") and words in step.observation
+        assert f"Turn {turn} of 7" in step.observation
+        assert step.images[0].data == before and not step.done
+    assert a.step(a.oracle_action()).done
+    reward, info = a.close()
+    assert reward == 1.0 and info["invalid"] == 5 and info["turns"] == 6
+
+
+def test_format_bonus_pays_a_failed_episode_its_share_of_valid_turns():
+    """As the default suite: a failed episode earns format_bonus x valid turns / turns played
+    (its whole budget); a win pays 1.0; only a win counts as a success."""
+    a = GuiDesktop({**CELL, "slack": "3", "format_bonus": "0.5"})
+    a.reset({"seed": 1})
+    empty = next(c for c in range(1, 10) if c not in {i.cell for i in a.desk.icons})
+    steps = [a.step(r) for r in ("x", str(empty), "?", str(empty))]  # 2 of 4 valid
+    assert [s.done for s in steps] == [False, False, False, True]
+    assert steps[-1].reward == pytest.approx(0.5 * 2 / 4)
+    reward, info = a.close()
+    assert reward == pytest.approx(0.25) and not info["success"]
+    a.reset({"seed": 1})
+    for _ in range(4):
+        step = a.step("no digit")
+    assert step.done and step.reward == 0.0
+    a.reset({"seed": 1})
+    assert a.step(a.oracle_action()).reward == 1.0
+    # With partial=1 the two add up, kept below a win's 1.0.
+    p = GuiDesktop({**SMALL, "partial": "1", "format_bonus": "0.9", "slack": "0"})
+    p.reset({"seed": 5, "turns": 6})
+    while p.done_goals < len(p.goals) - 1:
+        p.step(p.oracle_action())
+    while p.turn < p.budget:
+        p.step("click(0, 199)")  # valid, does nothing
+    assert p.close()[0] == 0.99
+
+
+def test_slack_sets_the_turn_budget():
+    for slack, budget in (("0", 1), ("2", 3)):
+        a = GuiDesktop({**CELL, "slack": slack})
+        assert f"{budget} turns" in a.reset({"seed": 0}).text and a.budget == budget
+    a = GuiDesktop({**SMALL, "slack": "1", "max_turns": "9"})
+    a.reset({"seed": 3})
+    assert a.budget == a.oracle_turns + 1
+
+
+def test_colors_app_gives_each_app_its_colour_and_keeps_the_layout():
+    mine, fixed = GuiDesktop(CELL), GuiDesktop({**CELL, "colors": "app"})
+    colour = {}
+    for seed in range(20):
+        mine.reset({"seed": seed})
+        fixed.reset({"seed": seed})
+        assert [(i.app, i.box) for i in mine.desk.icons] == [
+            (i.app, i.box) for i in fixed.desk.icons]
+        for icon in fixed.desk.icons:
+            assert colour.setdefault(icon.app, icon.color) == icon.color
+    assert len(set(colour.values())) == len(colour)
+
+
+@pytest.mark.parametrize("bad,words", [
+    (("grid", "3-3"), "grid='3-3' must be COLSxROWS, e.g. grid=3x3"),
+    (("grid", "0x2"), "must be COLSxROWS"),
+    (("grid", "6x2"), "grid=6x2 makes 53x100-pixel cells on a 320x200 screen, under 64x42"),
+    (("grid", "2x5"), "under 64x42: use fewer columns or rows, or a larger width/height"),
+    (("icons", "5"), "icons=5 does not fit grid=2x2 (4 cells): use icons<=4 or a larger grid"),
+    (("actions", "tap"), "actions='tap' must be 'click' or 'cell'"),
+    (("grid", None), "actions=cell names a cell by one digit: it needs a grid of at most 9 "
+                     "cells; set grid=2x2 or grid=3x3 too"),
+    (("grid", "4x3"), "actions=cell names a cell by one digit"),
+    (("format_bonus", "1"), "format_bonus=1.0 is out of range 0..1 (1 excluded)"),
+    (("format_bonus", "lots"), "format_bonus='lots' must be a number"),
+    (("format_bonus", "nan"), "format_bonus=nan is out of range"),
+    (("slack", "-1"), "'slack'=-1 is out of range 0..100"),
+    (("colors", "blue"), "colors='blue' must be 'random' or 'app'"),
+])
+def test_grid_and_cell_options_are_checked_in_one_line(bad, words):
+    opts = {**SMALL, "grid": "2x2", "icons": "2", "actions": "cell"}
+    if bad[1] is None:
+        del opts[bad[0]]
+    else:
+        opts[bad[0]] = bad[1]
+    with pytest.raises(TaskError, match=re.escape(words)) as e:
+        GuiDesktop(opts)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="env.options"):  # a server refuses to start
+        EnvServer(GuiDesktop, EnvConfig(suite="gui", options=tuple(
+            f"{k}={v}" for k, v in opts.items())))
+
+
+@pytest.mark.asyncio
+async def test_cell_actions_and_format_bonus_served_over_the_protocol():
+    opts = {**CELL, "slack": "1", "format_bonus": "0.5"}
+    cfg = EnvConfig(suite="gui", options=tuple(f"{k}={v}" for k, v in opts.items()), retries=0)
+    async with EnvServer(GuiDesktop, cfg).serve() as url, EnvClient(url, cfg) as env:
+        local = GuiDesktop(opts)
+        s = await env.start({"task_id": "win", "seed": 11})
+        assert s.ok and s.observation == local.reset({"seed": 11}).text
+        r = await env.step(s.session, local.oracle_action())
+        assert r.ok and r.done and r.observation.startswith("opened ")
+        end = await env.end(s.session)
+        assert end.reward == 1.0 and end.info["success"]
+        s = await env.start({"task_id": "lose", "seed": 11})
+        wrong = next(i.cell for i in local.desk.icons if i.app != local.goals[0][1])
+        r1 = await env.step(s.session, "none")
+        r2 = await env.step(s.session, str(wrong))
+        assert "invalid action" in r1.observation and r2.observation.startswith("opened ")
+        assert r2.done and r2.reward == pytest.approx(0.5 * 1 / 2)
+        end = await env.end(s.session)
+        assert end.reward == pytest.approx(0.25) and not end.info["success"]

@@ -22,7 +22,28 @@ turns, drawn per task from `min_turns..max_turns`.
 
 Suite options: width, height (screen pixels, default 640x400), icons (default 6), min_turns and
 max_turns (default 1 and 8; up to 50), partial (0/1), start_latency_s (seconds the server
-waits before each /start's reset, to mimic a VM boot, holding no worker thread; default 0).
+waits before each /start's reset, to mimic a VM boot, holding no worker thread; default 0),
+and, for a policy trained from scratch with the byte tokenizer (none changes a default task):
+
+    grid=CxR        icons sit in the cells of a C x R grid (cells numbered 1.. row by row from
+                    the top left), each centred in a cell of its own drawn per seed, sizes
+                    varying; cells must be at least 64x42 pixels
+    actions=cell    (with a grid of <= 9 cells) a reply's first digit is the action: 1..N
+                    clicks the centre of that cell (always on the icon there, if any), 0 clicks
+                    the open window's close box; no digit, or one above N, is an invalid turn.
+                    click(x, y) and type("text") still count when the reply has them. Tasks
+                    then have open and close steps only (a digit cannot type).
+    slack=S         a turn budget of oracle_turns + S instead of 2 * oracle_turns + 2
+    format_bonus=F  (0 <= F < 1) a failed episode pays F x (valid turns / turns played), as the
+                    default suite does, plus the partial reward (capped at 0.99); a success
+                    pays 1.0, and only a success counts
+    colors=app      each app always drawn in its own colour (default random per desk)
+
+A window is modal and, on a 320x200 screen, 312 px wide: it covers nearly every cell, and a
+cell reply then clicks whatever of the window is under that cell's centre (over 300 seeds,
+5% (2x2) and 8% (3x3) of cell centres close it; the rest do nothing or focus a field), so a
+wrong icon costs the rest of a short budget unless the reply is 0.
+Random baselines of 1-turn tasks (`benchmarks/gui_random.py`): see docs/how-to/your-env.md.
 """
 
 from __future__ import annotations
@@ -34,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tiderl.envs.adapters.base import Adapter, Observation, Step, TaskError, int_option
-from tiderl.envs.adapters.gui_desk import Desk, Event, center
+from tiderl.envs.adapters.gui_desk import MIN_CELL, Desk, Event, center
 from tiderl.envs.images import png
 
 WORDS = ("alice", "bob", "carol", "delta", "amber", "river", "stone", "maple", "ocean", "tiger",
@@ -46,6 +67,9 @@ _ACTION = re.compile(
     r"|type\s*\(\s*(?:text\s*=\s*)?(?:\"([^\"]*)\"|'([^']*)'|([^)\"']*?))\s*\)",
     re.IGNORECASE)
 MAX_TEXT = 64
+FORMAT_CELL = ("Reply with one digit: 1-{n} clicks the centre of that cell of the {cols}x{rows} "
+               "grid (numbered row by row from the top left), 0 closes the open window.")
+_DIGIT = re.compile(r"[0-9]")
 
 
 def parse_action(text: str) -> tuple[str, Any] | None:
@@ -85,8 +109,10 @@ def satisfied(goal: Goal, event: Event, desk: Desk) -> bool:
         dict(event.values).get(f) == v for f, v in values)
 
 
-def make_goals(desk: Desk, rng: random.Random, turns: int) -> tuple[list[Goal], int]:
-    """Steps whose oracle solution takes exactly `turns` turns (and that number)."""
+def make_goals(desk: Desk, rng: random.Random, turns: int,
+               typing: bool = True) -> tuple[list[Goal], int]:
+    """Steps whose oracle solution takes exactly `turns` turns (and that number); open and
+    close steps only when not `typing`."""
     goals: list[Goal] = []
     sim = copy.deepcopy(desk)
     used = 0
@@ -98,8 +124,9 @@ def make_goals(desk: Desk, rng: random.Random, turns: int) -> tuple[list[Goal], 
             options.append(("close", open_app, ()))
         for icon in sim.icons:
             options.append(("open", icon.app, ()))
-            values = tuple((f, rng.choice(WORDS)) for f in icon.fields)
-            options.append(("fill", icon.app, values))
+            if typing:
+                values = tuple((f, rng.choice(WORDS)) for f in icon.fields)
+                options.append(("fill", icon.app, values))
         rng.shuffle(options)
         for goal in options:
             if goal[0] == "open" and goal[1] == open_app:
@@ -143,6 +170,20 @@ def oracle_step(desk: Desk, goal: Goal) -> tuple[str, Any]:
     return "click", center(win.ok)
 
 
+def oracle_cell(desk: Desk, goal: Goal) -> str:
+    """The oracle's next reply under cell actions (open and close steps only): 0 while a window
+    is open (the next step closes it or needs the desk free), else the target's cell."""
+    if goal[0] == "fill":
+        raise ValueError("cell actions cannot type: tasks under actions=cell have no fill steps")
+    return "0" if desk.window is not None else str(desk.icon(goal[1]).cell)
+
+
+def first_digit(text: str) -> int | None:
+    """The value of the first decimal digit in `text` (a cell reply), None for none."""
+    found = _DIGIT.search(text)
+    return None if found is None else int(found.group())
+
+
 def format_action(action: tuple[str, Any]) -> str:
     kind, arg = action
     return f"click({arg[0]}, {arg[1]})" if kind == "click" else f'type("{arg}")'
@@ -152,7 +193,8 @@ class GuiDesktop(Adapter):
     """A task on a rendered desktop; see the module docstring."""
 
     blocking = True  # rendering and PNG encoding (~10 ms a screen) run in worker threads
-    client_options = frozenset({"width", "height", "icons", "min_turns", "max_turns", "partial"})
+    client_options = frozenset({"width", "height", "icons", "min_turns", "max_turns", "partial",
+                                "grid", "actions", "format_bonus", "slack", "colors"})
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
@@ -163,14 +205,22 @@ class GuiDesktop(Adapter):
         self.min_turns = int_option(o, "min_turns", 1, lo=1, hi=50, where=w)
         self.max_turns = int_option(o, "max_turns", 8, lo=self.min_turns, hi=50, where=w)
         self.partial = int_option(o, "partial", 0, lo=0, hi=1, where=w)
-        try:
-            self.start_latency_s = float(o.get("start_latency_s", "0"))
-        except ValueError:
-            raise TaskError(f"suite option start_latency_s={o['start_latency_s']!r} must be a "
-                            "number of seconds") from None
-        if not 0 <= self.start_latency_s <= 600:
-            raise TaskError(f"suite option start_latency_s={self.start_latency_s} is out of "
-                            "range 0..600")
+        # slack=S: a budget of oracle_turns + S turns (default: 2 * oracle_turns + 2)
+        self.slack = int_option(o, "slack", 0, lo=0, hi=100, where=w) if "slack" in o else None
+        self.grid = _grid_option(o, self.width, self.height, self.icons)
+        self.actions = o.get("actions", "click")
+        if self.actions not in ("click", "cell"):
+            raise TaskError(f"suite option actions={self.actions!r} must be 'click' or 'cell'")
+        self.cells = self.grid[0] * self.grid[1] if self.grid else 0
+        if self.actions == "cell" and not 1 <= self.cells <= 9:
+            raise TaskError("suite option actions=cell names a cell by one digit: it needs a grid "
+                            "of at most 9 cells; set grid=2x2 or grid=3x3 too")
+        self.app_colors = o.get("colors", "random")
+        if self.app_colors not in ("random", "app"):
+            raise TaskError(f"suite option colors={self.app_colors!r} must be 'random' or 'app'")
+        self.format_bonus = _float_option(o, "format_bonus", 0.0, 1.0)
+        self.start_latency_s = _float_option(o, "start_latency_s", 0.0, 600.0, closed=True,
+                                             unit=" of seconds")
         self.start_delay_s = self.start_latency_s  # the server waits it out before reset
         self.desk: Desk | None = None
         self.goals: list[Goal] = []
@@ -190,14 +240,19 @@ class GuiDesktop(Adapter):
         turns = int_option(task, "turns", rng.randint(self.min_turns, self.max_turns), lo=1,
                            hi=50)
         try:
-            self.desk = Desk(seed, self.width, self.height, self.icons)
+            self.desk = Desk(seed, self.width, self.height, self.icons, self.grid,
+                             self.app_colors == "app")
         except ValueError as e:
             raise TaskError(str(e)) from None
-        self.goals, self.oracle_turns = make_goals(self.desk, rng, turns)
+        self.goals, self.oracle_turns = make_goals(self.desk, rng, turns,
+                                                   typing=self.actions == "click")
         self.done_goals, self.turn, self.invalid = 0, 0, 0
-        self.budget = 2 * self.oracle_turns + 2
+        self.budget = (2 * self.oracle_turns + 2 if self.slack is None
+                       else self.oracle_turns + self.slack)
+        fmt = (FORMAT if self.actions == "click" else
+               FORMAT_CELL.format(n=self.cells, cols=self.grid[0], rows=self.grid[1]))
         text = (f"Task: {'; then '.join(describe(g) for g in self.goals)}.\n"
-                f"Screen {self.width}x{self.height}, {self.budget} turns. {FORMAT}")
+                f"Screen {self.width}x{self.height}, {self.budget} turns. {fmt}")
         return Observation(text, [png(self.desk.render())])
 
     def step(self, action: str) -> Step:
@@ -205,20 +260,11 @@ class GuiDesktop(Adapter):
         if desk is None or self.done_goals == len(self.goals) or self.turn >= self.budget:
             raise RuntimeError("step after the episode ended (a bug in the caller or server)")
         self.turn += 1
-        parsed = parse_action(action)
-        if parsed is None:
+        event = self._act(desk, action)
+        if isinstance(event, str):  # an invalid action: what was wrong
             self.invalid += 1
-            said = 'invalid action: no click(x, y) or type("text") found'
-        elif parsed[0] == "click" and not (0 <= parsed[1][0] < self.width
-                                           and 0 <= parsed[1][1] < self.height):
-            self.invalid += 1
-            said = (f"invalid action: click{parsed[1]} is off the {self.width}x{self.height} "
-                    "screen")
-        elif parsed[0] == "type" and (len(parsed[1]) > MAX_TEXT or not parsed[1].isprintable()):
-            self.invalid += 1
-            said = f"invalid action: type text must be 1..{MAX_TEXT} printable characters"
+            said = f"invalid action: {event}"
         else:
-            event = desk.click(*parsed[1]) if parsed[0] == "click" else desk.type(parsed[1])
             said = _said(event)
             if satisfied(self.goals[self.done_goals], event, desk):
                 self.done_goals += 1
@@ -227,10 +273,34 @@ class GuiDesktop(Adapter):
         text = f"{said}. Turn {self.turn} of {self.budget}." + (" Task done." if solved else "")
         return Step(text, done, self._reward() if done else None, [png(desk.render())])
 
+    def _act(self, desk: Desk, action: str) -> Event | str:
+        """Plays `action` on the desk: its event, or why it is invalid (nothing changed)."""
+        parsed = parse_action(action)
+        if parsed is None and self.actions == "cell":
+            cell = first_digit(action)
+            if cell is None:
+                return f"no digit found (0-{self.cells})"
+            if cell > self.cells:
+                return f"cell {cell} is not on the grid (1-{self.cells}, or 0)"
+            return desk.close_window() if cell == 0 else desk.click_cell(cell)
+        if parsed is None:
+            return 'no click(x, y) or type("text") found'
+        kind, arg = parsed
+        if kind == "click" and not (0 <= arg[0] < self.width and 0 <= arg[1] < self.height):
+            return f"click{arg} is off the {self.width}x{self.height} screen"
+        if kind == "type" and (len(arg) > MAX_TEXT or not arg.isprintable()):
+            return f"type text must be 1..{MAX_TEXT} printable characters"
+        return desk.click(*arg) if kind == "click" else desk.type(arg)
+
     def _reward(self) -> float:
+        """1 when solved; else the fraction of steps done (partial=1) plus format_bonus x the
+        fraction of turns with a valid action, kept below a win's 1.0."""
         if self.done_goals == len(self.goals):
             return 1.0
-        return self.done_goals / len(self.goals) if self.partial else 0.0
+        reward = self.done_goals / len(self.goals) if self.partial else 0.0
+        if self.format_bonus and self.turn:
+            reward = min(0.99, reward + self.format_bonus * (self.turn - self.invalid) / self.turn)
+        return reward
 
     def close(self) -> tuple[float, dict[str, Any]]:
         return self._reward(), {"success": self.done_goals == len(self.goals),
@@ -240,9 +310,47 @@ class GuiDesktop(Adapter):
 
     # -- scripted players (tests, baselines) ----------------------------------------------------
     def oracle_action(self) -> str:
-        """The oracle's next action (it reads the desk's state)."""
+        """The oracle's next action (it reads the desk's state): a digit under actions=cell."""
         assert self.desk is not None
-        return format_action(oracle_step(self.desk, self.goals[self.done_goals]))
+        goal = self.goals[self.done_goals]
+        if self.actions == "cell":
+            return oracle_cell(self.desk, goal)
+        return format_action(oracle_step(self.desk, goal))
+
+
+def _grid_option(o: Mapping[str, str], width: int, height: int,
+                 icons: int) -> tuple[int, int] | None:
+    """The grid=COLSxROWS suite option, checked against the screen and the icons; None unset."""
+    raw = o.get("grid")
+    if raw is None:
+        return None
+    m = re.fullmatch(r"\s*(\d{1,2})\s*x\s*(\d{1,2})\s*", str(raw), re.IGNORECASE)
+    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise TaskError(f"suite option grid={raw!r} must be COLSxROWS, e.g. grid=3x3")
+    cols, rows = int(m.group(1)), int(m.group(2))
+    if icons > cols * rows:
+        raise TaskError(f"suite option icons={icons} does not fit grid={cols}x{rows} "
+                        f"({cols * rows} cells): use icons<={cols * rows} or a larger grid")
+    cw, ch = width // cols, height // rows
+    if cw < MIN_CELL[0] or ch < MIN_CELL[1]:
+        raise TaskError(f"suite option grid={cols}x{rows} makes {cw}x{ch}-pixel cells on a "
+                        f"{width}x{height} screen, under {MIN_CELL[0]}x{MIN_CELL[1]}: use fewer "
+                        "columns or rows, or a larger width/height")
+    return cols, rows
+
+
+def _float_option(o: Mapping[str, str], name: str, default: float, hi: float,
+                  closed: bool = False, unit: str = "") -> float:
+    """A number option in [0, hi) ([0, hi] when `closed`), with a one-line error."""
+    raw = o.get(name, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise TaskError(f"suite option {name}={raw!r} must be a number{unit}") from None
+    if not (0 <= value <= hi if closed else 0 <= value < hi):
+        raise TaskError(f"suite option {name}={value} is out of range 0..{hi:g}"
+                        + ("" if closed else " (1 excluded)"))
+    return value
 
 
 def random_action(rng: random.Random, width: int, height: int,

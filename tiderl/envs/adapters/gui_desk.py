@@ -1,7 +1,11 @@
 """The desktop of the gui suite: a seeded scene, its state machine and its Pillow rendering. No JAX.
 
 A `Desk` holds icons (one per app, at seeded positions and sizes) and at most one open window
-(modal: clicks outside it do nothing). A window has a title bar with a close box, one or two
+(modal: clicks outside it do nothing). With a grid (`grid=(cols, rows)`) the screen is split
+into equal cells, numbered 1.. row by row from the top left, and each icon (its square and
+label) is centred in a cell of its own, drawn per seed, so every cell's centre is on its icon's
+square; sizes still vary per icon. `app_colors=True` draws each app in its own fixed colour
+(the layout stays that of the seed). A window has a title bar with a close box, one or two
 labelled text fields and OK / Cancel buttons; it opens at a seeded position and size that
 change each time it opens. `click(x, y)` hits the topmost thing under the point; `type(text)`
 replaces the focused field's text. Pressing OK submits the form (the event a task checks) and
@@ -23,6 +27,9 @@ COLORS = ((52, 101, 164), (204, 0, 0), (78, 154, 6), (117, 80, 123), (193, 125, 
           (92, 53, 102), (164, 0, 0))
 DESKTOPS = ((238, 238, 236), (211, 215, 207), (186, 189, 182), (220, 230, 242), (230, 220, 200))
 TITLE_H, FIELD_H, BUTTON_W, BUTTON_H, PAD = 22, 22, 64, 24, 10
+LABEL_H = 16  # an icon's label under its square
+MIN_SIDE = 18  # a grid icon's smallest square: its cell's centre is always on the square
+MIN_CELL = (64, MIN_SIDE + 24)  # a grid cell's least width (an icon's label) and height
 
 Box = tuple[int, int, int, int]  # x0, y0, x1, y1 (inclusive-exclusive)
 
@@ -35,6 +42,13 @@ def center(box: Box) -> tuple[int, int]:
     return (box[0] + box[2]) // 2, (box[1] + box[3]) // 2
 
 
+def cell_boxes(width: int, height: int, grid: tuple[int, int]) -> list[Box]:
+    """The cells of a `cols` x `rows` grid over the screen, row by row from the top left."""
+    cols, rows = grid
+    return [(c * width // cols, r * height // rows, (c + 1) * width // cols,
+             (r + 1) * height // rows) for r in range(rows) for c in range(cols)]
+
+
 @dataclasses.dataclass
 class Icon:
     app: str
@@ -43,6 +57,8 @@ class Icon:
     square: Box
     color: tuple[int, int, int]
     fields: tuple[str, ...]
+    cell: int = 0
+    """Its grid cell (1-based, row by row), 0 without a grid."""
 
 
 @dataclasses.dataclass
@@ -70,23 +86,45 @@ class Event:
 
 
 class Desk:
-    """One seeded desktop of `width` x `height` pixels with `icons` apps."""
+    """One seeded desktop of `width` x `height` pixels with `icons` apps (module docstring)."""
 
-    def __init__(self, seed: int, width: int, height: int, icons: int):
+    def __init__(self, seed: int, width: int, height: int, icons: int,
+                 grid: tuple[int, int] | None = None, app_colors: bool = False):
         self.seed, self.width, self.height = seed, width, height
         rng = random.Random(seed)
         self.background = rng.choice(DESKTOPS)
         apps = rng.sample(APPS, icons)
         colors = rng.sample(COLORS, icons)
+        if app_colors:
+            colors = [COLORS[APPS.index(app)] for app in apps]
+        self.cells = cell_boxes(width, height, grid) if grid else []
+        if len(self.cells) < icons and grid:
+            raise ValueError(f"{icons} icons do not fit a {grid[0]}x{grid[1]} grid")
+        order = rng.sample(range(len(self.cells)), icons) if grid else []
         self.icons: list[Icon] = []
         taken: list[Box] = []
-        for app, color in zip(apps, colors, strict=True):
-            box, square = self._place_icon(rng, taken)
+        for k, (app, color) in enumerate(zip(apps, colors, strict=True)):
+            if grid:
+                box, square = self._grid_icon(rng, self.cells[order[k]])
+            else:
+                box, square = self._place_icon(rng, taken)
             fields = tuple(rng.sample(FIELDS, rng.choice((1, 2))))
-            self.icons.append(Icon(app, box, square, color, fields))
+            self.icons.append(Icon(app, box, square, color, fields, order[k] + 1 if grid else 0))
             taken.append(box)
         self.window: Window | None = None
         self.opened = 0
+
+    @staticmethod
+    def _grid_icon(rng: random.Random, cell: Box) -> tuple[Box, Box]:
+        """An icon of seeded size whose square and label are centred in `cell`."""
+        cw, ch = cell[2] - cell[0], cell[3] - cell[1]
+        hi = min(ch - 24, cw - 8)
+        side = rng.randint(max(MIN_SIDE, hi // 2), hi)
+        w = max(side, 60)  # the label under it is up to ~60 px wide
+        cx, cy = center(cell)
+        x, y = cx - w // 2, cy - (side + LABEL_H) // 2
+        sx = x + (w - side) // 2
+        return (x, y, x + w, y + side + LABEL_H), (sx, y, sx + side, y + side)
 
     def _place_icon(self, rng: random.Random, taken: list[Box]) -> tuple[Box, Box]:
         for _ in range(500):
@@ -103,6 +141,16 @@ class Desk:
 
     def icon(self, app: str) -> Icon:
         return next(i for i in self.icons if i.app == app)
+
+    def click_cell(self, cell: int) -> Event:
+        """A click at the centre of grid cell `cell` (1-based)."""
+        return self.click(*center(self.cells[cell - 1]))
+
+    def close_window(self) -> Event:
+        """A click on the open window's close box (nothing when no window is open)."""
+        if self.window is None:
+            return Event("nothing", detail="no window is open")
+        return self.click(*center(self.window.close))
 
     # -- the state machine ----------------------------------------------------------------------
     def open(self, icon: Icon) -> Window:
