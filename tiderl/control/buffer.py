@@ -148,9 +148,7 @@ class ReadinessBuffer:
         g = ReadyGroup(group_id=gid, seqs=seqs, trajs=list(ok), ready_at=now,
                        min_version=min((t.min_version for t in ok if t.min_version >= 0),
                                        default=-1),
-                       action_tokens=sum(t.action_token_count + sum(sum(s.loss_mask)
-                                                                     for s in t.segments)
-                                         for t in ok),
+                       action_tokens=sum(t.action_token_count for t in ok),  # cut parts too
                        reward_mean=float(np.mean([t.reward for t in ok])))
         self.ready.append(g)
         self.drops_in_a_row = 0

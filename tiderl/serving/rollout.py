@@ -18,7 +18,10 @@ on the other ranks. A text policy reads an observation's images (an image suite 
 as placeholder lines, `[image 1: image/png 640x400]` (logged once); a vision-language policy
 (`images=ImagePrompt`) gets each image's chat-template placeholder before the text, expanded to
 the image's token count, and the image's patches go with the turn to the engine (and into
-`Trajectory.images`).
+`Trajectory.images`). With `image_window` > 0 the episode loop applies the sliding image window
+(serving/rollout_window.py): a context holding that many images is cut before its next
+observation into a segment (`Trajectory.segments`) and a continuation from the `image_keep`
+most recent images, prefilled from scratch.
 
 A task moves between ranks only between turns (the scheduler never pauses a task inside its
 prefill/decode) or when its rank fails; either way it takes its `Handoff` from the rank that
@@ -48,6 +51,7 @@ from tiderl.envs.templates import Transcript, TurnTemplate
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
 from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import Handoff, RankFailedError, RankStats, RolloutRank, TurnResult
+from tiderl.serving.rollout_window import ImageWindow, task_head
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +106,15 @@ class Trajectory:
 
     @property
     def min_version(self) -> int:
+        """The oldest weight version that sampled a token of it (its cut segments too)."""
         # Over the distinct versions (a handful) rather than every token (thousands).
-        return min((v for v in set(self.versions) if v >= 0), default=-1)
+        seen = set(self.versions).union(*(s.versions for s in self.segments))
+        return min((v for v in seen if v >= 0), default=-1)
 
     @property
     def action_token_count(self) -> int:
-        return sum(self.loss_mask)
+        """Sampled tokens, its cut segments' included."""
+        return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.segments)
 
 
 def numeric_id(task_id: str) -> int:
@@ -143,6 +150,7 @@ class RolloutManager:
                  scheduler: CTBScheduler | VanillaScheduler,
                  env: Any, template: TurnTemplate, *, max_turns: int, system: str | None = None,
                  eval_temperature: float | None = 0.0, images: Any = None,
+                 image_window: int = 0, image_keep: int = 5,
                  runner: Callable[[RolloutManager, _Episode], Awaitable[Trajectory]] | None = None):
         self.ranks = list(ranks)
         """Rank slot → its rank (None: a slot no rank serves now; the scheduler has it dead)."""
@@ -161,6 +169,9 @@ class RolloutManager:
         self.image_prompt = images
         """A vision-language policy's `models.vision_inputs.ImagePrompt` (None: the policy
         reads text, each image a placeholder line)."""
+        self.window = ImageWindow(image_window, image_keep)
+        """The sliding image window (`image_window` 0: never cut; a text policy has no images
+        to count)."""
         self.episodes: dict[str, _Episode] = {}
         """Live episodes only (a finished one is forgotten)."""
         self._keys = itertools.count()
@@ -357,7 +368,8 @@ class RolloutManager:
             text, images = self._observe(tid, start)
             transcript = Transcript.start(self.template, text, system=self.system,
                                           expand=self._expander(images))
-            new_tokens = list(transcript.tokens)
+            first_len = len(transcript)
+            new_tokens, sent = list(transcript.tokens), images
             reward: float | None = None
             while True:
                 # Its environment answered: it wants the engine (the scheduler resumes ready
@@ -366,7 +378,7 @@ class RolloutManager:
                 self.kick()
                 # Executing from the turn's start (`_turn`) to its end: CTB never pauses it
                 # meanwhile, and its context counts in its rank's usage.
-                result = await self._turn(ep, new_tokens, images=images)
+                result = await self._turn(ep, new_tokens, images=sent)
                 self.sched.set_executing(tid, False)
                 self.kick()  # waiting on its env now: the scheduler may park it
                 traj.turns += 1
@@ -397,7 +409,13 @@ class RolloutManager:
                     traj.end_reason = EndReason.turn_limit
                     break
                 text, images = self._observe(tid, step)
+                fresh = self.window.needs_cut(traj)
+                if fresh:
+                    transcript = self._cut(ep, traj, transcript, start.observation, first_len)
                 new_tokens = transcript.add_observation(text, expand=self._expander(images))
+                sent = images
+                if fresh:  # prefilled from scratch: the whole continuation, kept images first
+                    new_tokens, sent = list(transcript.tokens), traj.images + images
             self._settle(traj, await self.env.end(ep.session), reward)
             return traj
         except asyncio.CancelledError:
@@ -413,10 +431,27 @@ class RolloutManager:
                 pad = len(traj.tokens) - len(traj.logprobs)
                 traj.logprobs += [0.0] * pad
                 traj.versions += [-1] * pad
+                self.window.settle(traj)
             traj.finished_at = time.monotonic()
             self._close(ep)
             self.end_reasons[str(traj.end_reason)] = self.end_reasons.get(
                 str(traj.end_reason), 0) + 1
+
+    def _cut(self, ep: _Episode, traj: Trajectory, transcript: Transcript, task_text: str,
+             first_len: int) -> Transcript:
+        """The sliding image window cuts the task's context (serving/rollout_window.py): the
+        cut part goes to `traj.segments`; the task's handle and KV are freed, so its next turn
+        prefills the continuation from scratch, and the scheduler stops counting the group's
+        prompt as shared by it. Returns the continuation's transcript."""
+        out = self.window.cut(traj, transcript,
+                              head=task_head(self.template, task_text, self.system),
+                              first_len=first_len,
+                              image_token=self.image_prompt.vision.image_token_id)
+        if ep.holder is not None and self.ranks[ep.holder] is not None:
+            self.ranks[ep.holder].finish(ep.key)
+        ep.holder = ep.handoff = None
+        self.sched.restart_context(ep.task.task_id)
+        return out
 
     def _observe(self, task_id: str, result: Any) -> tuple[str, list[Any]]:
         """An observation's text to render and, for a vision-language policy (`images`), its

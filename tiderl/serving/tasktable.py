@@ -217,6 +217,15 @@ class TaskTable:
         if t.group_id not in self.group_probe:
             self._add_probe(t.group_id, tokens)
 
+    def restart_context(self, task_id: str) -> None:
+        """The task's context was cut and continues from a fresh prefill that does not start
+        with its group's prompt (the rollout's sliding image window): none of it counts as
+        shared with its siblings any more; its new size comes with its next `update_usage`."""
+        t = self.tasks[task_id]
+        t.prompt_tokens = 0
+        if t.state == "active":
+            self._dirty[t.rank] = True
+
     def _resized(self, t: Task, tokens: int, measured: bool, prompt_tokens: int) -> None:
         """Active `t` reported a new size (it had `tokens`, `measured`, `prompt_tokens`): its
         rank's cached usage is stale (a scheduler that can update it in place does)."""

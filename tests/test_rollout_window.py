@@ -1,0 +1,303 @@
+"""The sliding image window in the rollout's episode loop (serving/rollout_window.py): a real gui
+env server, the host-side engine (`SimEngine`) behind a real `RolloutRank`, CTB, and a
+vision-language `ImagePrompt`. A 12-image trajectory with window 10, keep 5 becomes one cut
+segment (images 1-10) and a last part (the head + images 6-12), token for token; the
+continuation is prefilled from scratch; every sampled token is trained exactly once with its
+behaviour logprob and version; the buffer and micro-batcher the runtime uses train both parts
+with the trajectory's advantage. No JAX in the rollout path (the batcher's module imports it).
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_models_vision_inputs import _vl_tokenizer  # noqa: E402
+
+SYSTEM = "You operate a desktop."
+WINDOW, KEEP = 10, 5
+
+
+def _setup(tmp_path):
+    from tiderl.envs.templates import chatml_template
+    from tiderl.models.config import VisionConfig
+    from tiderl.models.vision_inputs import ImageProcessing, ImagePrompt
+
+    _, tok = _vl_tokenizer(tmp_path)
+    tmpl = chatml_template(tok)
+    vision = VisionConfig(patch_size=4, image_token_id=tok.token_to_id("<|image_pad|>"))
+    return tok, tmpl, ImagePrompt(vision, ImageProcessing(min_pixels=64, max_pixels=4096))
+
+
+class _EnvLog:
+    """The env client, passing every call through, keeping each task's replies."""
+
+    def __init__(self, env):
+        self.env, self.replies = env, {}
+        self._task = {}
+
+    async def start(self, spec):
+        r = await self.env.start(spec)
+        self._task[r.session] = spec["task_id"]
+        self.replies[spec["task_id"]] = [r]
+        return r
+
+    async def step(self, session, action):
+        r = await self.env.step(session, action)
+        self.replies[self._task[session]].append(r)
+        return r
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+
+async def _play(tmp_path, *, window, keep=KEEP, group_size=2):
+    """Plays one gui group (5 oracle turns: a 12-turn budget no random action solves, so 12
+    screenshots reach the context). Returns (trajectories, the engine's prefill requests,
+    each task's turn results, the env's replies, what the scheduler held at each fresh
+    prefill, tok, tmpl, prompt)."""
+    from tiderl.envs.adapters.gui import GuiDesktop
+    from tiderl.envs.client import EnvClient
+    from tiderl.envs.config import EnvConfig
+    from tiderl.envs.server import EnvServer
+    from tiderl.envs.tasks import TaskSource
+    from tiderl.serving.ctb import CTBConfig, make_scheduler
+    from tiderl.serving.rank import RolloutRank
+    from tiderl.serving.rollout import RolloutManager, numeric_id
+    from tiderl.sim.fakes import SimEngine
+    from tiderl.sim.virtual_engine import DigitActions
+
+    tok, tmpl, prompt = _setup(tmp_path)
+    requests, results, at_fresh, held = [], {}, [], []
+    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=8192)
+
+    class Recording(SimEngine):
+        """Records each prefill request (and, at a fresh one after the first turn, whether
+        the task still holds a slot and what the scheduler holds for it); a new weight version
+        per call and a distinct logprob per sampled token, so both are traceable."""
+
+        draws = 0
+        seen: set[int] = set()
+
+        def prefill_many(self, params, reqs):
+            self.update_weights(None, version=self.version + 1, flush=False)
+            for r in reqs:
+                fresh = r.existing_prefix is None
+                requests.append((r.task_id, fresh, list(r.tokens[:r.true_length]),
+                                 list(r.images or ())))
+                if fresh and any(p.task_id == r.task_id for p in self.slots.values()):
+                    held.append(r.task_id)  # a fresh prefill while the task's old KV is held
+                if fresh and r.task_id in self.seen:  # a continuation
+                    tid = next(t for t in sched.tasks
+                               if numeric_id(t) == r.task_id)
+                    t = sched.tasks[tid]
+                    sched._check_indexes()
+                    at_fresh.append((tid, t.tokens, t.prompt_tokens, sched.usage(0),
+                                     sched._usage_of(sched.active_on(0))))
+                self.seen.add(r.task_id)
+            return super().prefill_many(params, reqs)
+
+        def _sample(self, h, n):
+            super()._sample(h, n)
+            for j in range(n):
+                Recording.draws += 1
+                h.logprobs[len(h.logprobs) - n + j] = -Recording.draws / 1024
+
+    class Rank(RolloutRank):
+        def turn(self, task_id, new_tokens, prefix=None, **kw):
+            fut = super().turn(task_id, new_tokens, prefix, **kw)
+            sid = kw["sample_id"]
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                  or results.setdefault(sid, []).append(f.result()))
+            return fut
+
+    cfg = EnvConfig(suite="gui", options=("width=320", "height=200", "min_turns=5",
+                                          "max_turns=5"), retries=0)
+    engine = Recording(max_action_tokens=8, max_context=8192,
+                       actions=DigitActions(0, length=4), stop_tokens=tuple(tmpl.stop_ids))
+    rank = Rank(0, engine)
+    await rank.start()
+    try:
+        async with EnvServer(GuiDesktop, cfg).serve() as url, EnvClient(url, cfg) as client:
+            env = _EnvLog(client)
+            mgr = RolloutManager([rank], sched, env, tmpl, max_turns=20, system=SYSTEM,
+                                 images=prompt, image_window=window, image_keep=keep)
+            trajs = await mgr.run_group(TaskSource("gui", "train", groups=1,
+                                                   group_size=group_size).element(0))
+    finally:
+        await rank.close()
+    assert held == []
+    return trajs, requests, results, env.replies, at_fresh, tok, tmpl, prompt, mgr
+
+
+def _oracle(tmpl, prompt, replies, results):
+    """The uncut context, rendered from the env's replies and the sampled actions: per
+    observation its ids' offset, its ids and its images; per turn its action."""
+    from tiderl.envs.templates import Transcript
+
+    text, images = prompt.observation(replies[0].observation, replies[0].images)
+    tr = Transcript.start(tmpl, text, system=SYSTEM,
+                          expand=lambda ids: prompt.expand(images, ids))
+    obs = [(0, list(tr.tokens), images)]
+    for k, res in enumerate(results):
+        tr.add_action(res.action_tokens)
+        if k + 1 < len(results):
+            at = len(tr)
+            text, images = prompt.observation(replies[k + 1].observation, replies[k + 1].images)
+            ids = tr.add_observation(text, expand=lambda ids, im=images: prompt.expand(im, ids))
+            obs.append((at, ids, images))
+    return tr, obs
+
+
+def test_a_twelve_image_trajectory_is_cut_once_and_continues_from_the_kept_images(tmp_path):
+    """Window 10, keep 5: each task of the group ends after 12 turns with 12 screenshots in its
+    context, cut once before the 11th observation. The segment is the whole context up to the
+    10th action (images 1-10, every action trained, logprobs and versions as sampled); the last
+    part is the head (system + task text, no image) + the context from observation 6's user
+    turn on + observations 11-12 with their actions, whose 11th and 12th actions alone are
+    trained; the engine got the continuation as a fresh prefill (the old KV freed first, the
+    kept images the same objects it was handed before) and the scheduler holds the task at
+    the continuation's size with no shared prompt."""
+    from tiderl.envs.protocol import EndReason
+    from tiderl.envs.templates import Transcript
+    from tiderl.serving.rollout import numeric_id
+
+    trajs, requests, results, replies, at_fresh, tok, tmpl, prompt, mgr = asyncio.run(
+        _play(tmp_path, window=WINDOW))
+    assert mgr.window.cuts == 2
+    image_token = prompt.vision.image_token_id
+    for t in trajs:
+        sid = numeric_id(t.task_id)
+        res = results[sid]
+        assert t.end_reason == EndReason.done and t.turns == len(res) == 12, t.error
+        tr, obs = _oracle(tmpl, prompt, replies[t.task_id], res)
+        assert len(obs) == 12 and all(len(im) == 1 for _, _, im in obs)
+        shots = [im[0] for _, _, im in obs]
+        mine = [(fresh, toks, ims) for s, fresh, toks, ims in requests if s == sid]
+        assert len(mine) == 12  # one prefill per turn
+        # What the engine was handed: observations 1-10 appended to the task's context, then
+        # the continuation prefilled from scratch with the kept images and the 11th screenshot.
+        assert [f for f, _, _ in mine] == [True] + [False] * 9 + [True, False]
+        assert [len(ims) for _, _, ims in mine] == [1] * 10 + [6, 1]
+        handed = [ims[0] for _, _, ims in mine[:10]] + [mine[10][2][-1], mine[11][2][0]]
+        for im, shot in zip(handed, shots, strict=True):  # the env's screenshots, in order
+            assert np.array_equal(im.pixels, shot.pixels) and im.grid_thw == shot.grid_thw
+        # The kept images are the objects handed before (host copies, as for recompute).
+        assert [x is y for x, y in zip(mine[10][2][:5], handed[5:10], strict=True)] == [True] * 5
+
+        # The cut segment: exactly the uncut context up to the 10th action.
+        assert len(t.segments) == 1
+        seg = t.segments[0]
+        end10 = obs[10][0]  # where the 11th observation starts in the uncut context
+        assert seg.tokens == tr.tokens[:end10] and seg.loss_mask == tr.loss_mask[:end10]
+        assert [a is b for a, b in zip(seg.images, handed[:10], strict=True)] == [True] * 10
+        assert seg.image_token == image_token
+
+        # The last part: the head, the context from observation 6's user turn, then turns 11-12.
+        head = tok.decode(t.tokens[:_head_len(t.tokens, tok)], skip_special=False)
+        assert head == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+                        f"{replies[t.task_id][0].observation}<|im_end|>\n")
+        n_head = _head_len(t.tokens, tok)
+        text_only = Transcript.start(tmpl, replies[t.task_id][0].observation, system=SYSTEM)
+        assert t.tokens[:n_head] == text_only.tokens[:n_head]
+        after = len(tok.encode("\n"))  # chatml's after-action tokens, already ending the head
+        at6, ids6, _ = obs[5]
+        assert tok.decode(ids6[:after], skip_special=False) == "\n"
+        kept = tr.tokens[at6 + after:end10]
+        rest = tr.tokens[end10:]
+        assert t.tokens == t.tokens[:n_head] + kept + rest
+        assert mine[10][1] == t.tokens[:n_head + len(kept) + len(obs[10][1])]
+        assert [a is b for a, b in zip(t.images, handed[5:], strict=True)] == [True] * 7
+        assert t.tokens.count(image_token) == sum(
+            1 for x in tr.tokens[at6:] if x == image_token)
+        tail_mask = [0] * (n_head + len(kept)) + tr.loss_mask[end10:]
+        assert t.loss_mask == tail_mask
+
+        # Every sampled token trained exactly once, with its logprob and version.
+        def trained(part):
+            on = [i for i, m in enumerate(part.loss_mask) if m]
+            return ([part.tokens[i] for i in on], [part.logprobs[i] for i in on],
+                    [part.versions[i] for i in on])
+
+        parts = [trained(seg), trained(t)]
+        for j, field in enumerate(("action_tokens", "logprobs", "versions")):
+            want = [x for r in res for x in getattr(r, field)]
+            assert parts[0][j] + parts[1][j] == want, field
+        assert len(set(parts[0][1] + parts[1][1])) == sum(len(r.logprobs) for r in res)
+        assert len(set(parts[0][2] + parts[1][2])) > 1  # several weight versions sampled
+        for part in (seg, t):
+            off = [i for i, m in enumerate(part.loss_mask) if not m]
+            assert all(part.logprobs[i] == 0.0 and part.versions[i] == -1 for i in off)
+        assert t.action_token_count == sum(len(r.action_tokens) for r in res)
+        assert t.min_version == min(x for r in res for x in r.versions)
+
+    # The scheduler at each fresh prefill: the task at the continuation's size, no prompt
+    # counted as shared, its rank's usage equal to a recount.
+    assert len(at_fresh) == 2
+    for tid, tokens, prompt_tokens, usage, recount in at_fresh:
+        assert tokens == len(requests_for(requests, numeric_id(tid))[10])
+        assert prompt_tokens == 0 and usage == recount
+
+
+def requests_for(requests, sid):
+    return [toks for s, _, toks, _ in requests if s == sid]
+
+
+def _head_len(tokens, tok):
+    """Tokens up to the end of the first user turn (the second <|im_end|>, and its newline)."""
+    end = tok.token_to_id("<|im_end|>")
+    at = [i for i, x in enumerate(tokens) if x == end][1] + 1
+    return at + len(tok.encode("\n"))
+
+
+def test_the_buffer_and_batcher_train_both_parts_with_the_trajectorys_advantage(tmp_path):
+    """The cut trajectories of a group, through the runtime's `ReadinessBuffer` and
+    `MicroBatcher`: each trajectory's segment and last part become sequences with its
+    advantage, their images the same objects in order, and the packed micro-batches' loss
+    mask covers every sampled token of both parts once."""
+    from tiderl.config import load_config
+    from tiderl.control.buffer import ReadinessBuffer
+    from tiderl.runtime.parts import MicroBatcher
+
+    trajs = asyncio.run(_play(tmp_path, window=WINDOW))[0]
+    trajs[0].reward, trajs[1].reward = 1.0, 0.0  # random clicks solve nothing: give it signal
+    buf = ReadinessBuffer(groups_per_microbatch=1, max_staleness=100, min_ok_per_group=2)
+    g = buf.add_group(trajs, now=0.0)
+    assert g is not None and len(g.seqs) == 4
+    assert g.action_tokens == sum(t.action_token_count for t in trajs)
+    assert g.min_version == min(t.min_version for t in trajs)
+    for t, (cut, last) in zip(trajs, (g.seqs[:2], g.seqs[2:]), strict=True):
+        assert cut.advantage == last.advantage and cut.advantage != 0
+        for seq, part in ((cut, t.segments[0]), (last, t)):
+            assert seq.tokens.tolist() == part.tokens
+            assert seq.action_mask.tolist() == [bool(m) for m in part.loss_mask]
+            assert [a is b for a, b in zip(seq.images, part.images, strict=True)] == \
+                [True] * len(part.images)
+    assert g.seqs[0].advantage > 0 > g.seqs[2].advantage
+    cfg = load_config(None, ["trainer.row_len=2048", "trainer.rows_per_rank=4"])
+    mbs = MicroBatcher(cfg, 1, "decoupled")(g.seqs, True)
+    on = np.concatenate([mb.loss_mask_bt.ravel() > 0 for mb in mbs])
+    adv = np.concatenate([mb.advantages_bt.ravel() for mb in mbs])
+    assert int(on.sum()) == g.action_tokens
+    assert sorted(set(np.round(adv[on], 6))) == sorted({round(float(s.advantage), 6)
+                                                        for s in g.seqs})
+    assert sum(len(mb.images) for mb in mbs) == sum(len(s.images) for s in g.seqs) == 2 * 17
+
+
+def test_window_zero_never_cuts(tmp_path):
+    """image_window=0 (the default): the same 12-screenshot episode stays one context."""
+    trajs, requests, *_, mgr = asyncio.run(_play(tmp_path, window=0, group_size=1))
+    (t,) = trajs
+    assert mgr.window.cuts == 0 and t.segments == [] and len(t.images) == 12
+    assert [fresh for _, fresh, _, _ in requests] == [True] + [False] * 11
+
+
+def test_window_settings_are_checked():
+    from tiderl.serving.rollout_window import ImageWindow
+
+    for window, keep in ((-1, 5), (10, 0), (10, 10)):
+        with pytest.raises(ValueError, match="image_window"):
+            ImageWindow(window, keep)
+    assert ImageWindow(0, 5).window == 0
