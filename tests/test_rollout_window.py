@@ -301,3 +301,70 @@ def test_window_settings_are_checked():
         with pytest.raises(ValueError, match="image_window"):
             ImageWindow(window, keep)
     assert ImageWindow(0, 5).window == 0
+
+
+def test_a_cut_after_actions_ended_at_the_action_limit_and_a_continuation_that_samples_nothing(
+        tmp_path):
+    """Actions that ended at the action limit (no stop token: the next observation opens with
+    the stop token and the after-action tokens, which the head's closed turn already ends
+    with): the continuation is the head + the kept observation's user turn on. A continuation
+    that then samples nothing (its prefill refused) is not a part of its own: `settle` makes
+    the cut segment the last part again."""
+    import functools
+
+    import PIL.Image
+
+    from tiderl.envs.protocol import EndReason
+    from tiderl.envs.templates import Transcript
+    from tiderl.serving.rollout import Trajectory
+    from tiderl.serving.rollout_window import ImageWindow, task_head
+
+    tok, tmpl, prompt = _setup(tmp_path)
+    rng = np.random.default_rng(3)
+    pics = [PIL.Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
+            for _ in range(3)]
+    text, ims = prompt.observation("find the file", pics[:1])
+    tr = Transcript.start(tmpl, text, system=SYSTEM, expand=functools.partial(prompt.expand, ims))
+    first_len = len(tr)
+    traj = Trajectory(task_id="t", group_id="g", is_eval=False, tokens=[], loss_mask=[],
+                      logprobs=[], versions=[], reward=0.0, end_reason=EndReason.done, turns=0)
+    traj.images += ims
+    obs = []
+    for k in (1, 2, 3):
+        at = len(tr)
+        act = tok.encode(f"click {k}")  # no <|im_end|>: ended at the action limit
+        tr.add_action(act)
+        traj.logprobs += [0.0] * (at - len(traj.logprobs)) + [-k / 8] * len(act)
+        traj.versions += [-1] * (at - len(traj.versions)) + [k] * len(act)
+        if k < 3:
+            text, ims = prompt.observation(f"step {k} done", pics[k:k + 1])
+            obs.append((len(tr), tr.add_observation(
+                text, expand=functools.partial(prompt.expand, ims))))
+            traj.images += ims
+    window = ImageWindow(3, 1)
+    assert window.needs_cut(traj)
+    uncut = list(tr.tokens), list(tr.loss_mask), list(traj.images)
+    head = task_head(tmpl, "find the file", SYSTEM)
+    assert tok.decode(head, skip_special=False) == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nfind the file<|im_end|>\n")
+    cont = window.cut(traj, tr, head=head, first_len=first_len,
+                      image_token=prompt.vision.image_token_id)
+    at2, ids2 = obs[1]
+    lead = len(tmpl.render([tmpl.stop[0], *tmpl.after_action]))
+    assert tok.decode(ids2[:lead], skip_special=False) == "<|im_end|>\n"
+    assert cont.tokens == head + uncut[0][at2 + lead:] and cont.loss_mask == [0] * len(cont)
+    (seg,) = traj.segments
+    assert (seg.tokens, seg.loss_mask) == uncut[:2]
+    assert [a is b for a, b in zip(seg.images, uncut[2], strict=True)] == [True] * 3
+    assert traj.images[0] is uncut[2][2] and len(traj.images) == 1
+    trained = [(seg.logprobs[i], seg.versions[i]) for i, m in enumerate(seg.loss_mask) if m]
+    assert sorted(set(trained)) == [(-3 / 8, 3), (-2 / 8, 2), (-1 / 8, 1)]
+    assert traj.logprobs == [0.0] * len(cont) and traj.versions == [-1] * len(cont)
+
+    # The continuation's prefill was refused: the trajectory keeps only what the engine took.
+    traj.tokens, traj.loss_mask, traj.logprobs, traj.versions = [], [], [], []
+    ImageWindow.settle(traj)
+    assert traj.segments == [] and (traj.tokens, traj.loss_mask) == uncut[:2]
+    assert [a is b for a, b in zip(traj.images, uncut[2], strict=True)] == [True] * 3
+    ImageWindow.settle(traj)  # nothing cut: unchanged
+    assert traj.tokens == uncut[0]
