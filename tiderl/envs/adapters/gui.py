@@ -252,7 +252,8 @@ class GuiDesktop(Adapter):
         fmt = (FORMAT if self.actions == "click" else
                FORMAT_CELL.format(n=self.cells, cols=self.grid[0], rows=self.grid[1]))
         text = (f"Task: {'; then '.join(describe(g) for g in self.goals)}.\n"
-                f"Screen {self.width}x{self.height}, {self.budget} turns. {fmt}")
+                f"Screen {self.width}x{self.height}, {self.budget} "
+                f"turn{'s' if self.budget != 1 else ''}. {fmt}")
         return Observation(text, [png(self.desk.render())])
 
     def step(self, action: str) -> Step:
