@@ -207,9 +207,11 @@ async def test_served_over_the_protocol_with_a_start_latency():
             assert end.ok and end.reward == 1.0 and end.info["success"]
 
 
-async def text_rollout(max_context: int, group_size: int = 3):
+async def text_rollout(max_context: int, group_size: int = 3,
+                       options: tuple[str, ...] = ("width=320", "height=200", "max_turns=2"),
+                       length: int = 4):
     """A group of gui tasks played by the episode runner with a text policy (a host-side
-    engine sampling digits) against a real server."""
+    engine sampling `length` digits a turn) against a real server."""
     from tiderl.envs.tasks import TaskSource
     from tiderl.envs.templates import template_for
     from tiderl.models.tokenizer import ByteTokenizer
@@ -221,9 +223,9 @@ async def text_rollout(max_context: int, group_size: int = 3):
 
     tok = ByteTokenizer()
     tmpl = template_for(tok, "byte")
-    cfg = EnvConfig(suite="gui", options=("width=320", "height=200", "max_turns=2"), retries=0)
-    engine = SimEngine(max_action_tokens=4, max_context=max_context,
-                       actions=DigitActions(0, length=4), stop_tokens=tuple(tmpl.stop_ids))
+    cfg = EnvConfig(suite="gui", options=options, retries=0)
+    engine = SimEngine(max_action_tokens=length, max_context=max_context,
+                       actions=DigitActions(0, length=length), stop_tokens=tuple(tmpl.stop_ids))
     rank = RolloutRank(0, engine)
     await rank.start()
     sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=max_context)
@@ -477,3 +479,29 @@ async def test_cell_actions_and_format_bonus_served_over_the_protocol():
         assert r2.done and r2.reward == pytest.approx(0.5 * 1 / 2)
         end = await env.end(s.session)
         assert end.reward == pytest.approx(0.25) and not end.info["success"]
+
+
+RECOMMENDED = ("width=320", "height=200", "grid=2x2", "icons=2", "actions=cell", "min_turns=1",
+               "max_turns=1", "slack=0", "colors=app", "format_bonus=0.1")
+
+
+@pytest.mark.asyncio
+async def test_a_digit_policy_plays_the_cell_form_through_the_episode_runner():
+    """The setting recommended for a from-scratch byte policy, played by the episode runner
+    (byte template, an engine sampling one digit a turn) against a real server: one turn a
+    task, and each trajectory's reward is what a local adapter pays for the same reply (1 for
+    the target's cell, format_bonus for another cell or 0, nothing for a digit off the grid)."""
+    from tiderl.envs.protocol import EndReason
+
+    tok, trajs = await text_rollout(1024, group_size=8, options=RECOMMENDED, length=1)
+    local = GuiDesktop(dict(o.split("=") for o in RECOMMENDED))
+    paid = set()
+    for t in trajs:
+        assert t.end_reason == EndReason.done and t.turns == 1, (t.end_reason, t.error)
+        reply = tok.decode([x for x, m in zip(t.tokens, t.loss_mask, strict=True) if m])
+        assert reply.isdigit() and len(reply) == 1, reply
+        local.reset({"seed": 0})  # the group's train seed (task_seed 0, group 0)
+        want = local.step(reply).reward
+        assert t.reward == pytest.approx(want), (reply, t.reward, want)
+        paid.add(t.reward)
+    assert paid <= {0.0, 0.1, 1.0} and len(paid) >= 2, paid
