@@ -158,6 +158,10 @@ class ModelConfig:
     train_vision: bool = True
     """Train the vision tower; false freezes it (its parameters get no gradient, no optimizer
     update — weight decay included — and no optimizer state)."""
+    image_max_pixels: int = 0
+    """The largest image area (pixels) the vision tower reads: a bigger screenshot is resized
+    to fit, aspect kept (sides multiples of patch_size × spatial_merge_size). 0: the
+    checkpoint's preprocessor_config.json, else Qwen2.5-VL's 1,003,520."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -194,6 +198,9 @@ class ModelConfig:
             raise ConfigError(f"config key 'model.mrope_section'={list(self.mrope_section)} "
                               f"must be three counts summing to model.head_dim/2="
                               f"{self.head_dim // 2}; fix them")
+        if self.image_max_pixels < 0:
+            raise ConfigError(f"config key 'model.image_max_pixels'={self.image_max_pixels} "
+                              "must be >= 0 (0: the checkpoint's image processor setting)")
         if self.vision is not None and self.vision.out_dim != self.d_model:
             raise ConfigError(f"config key 'model.vision.out_dim'={self.vision.out_dim} must "
                               f"equal model.d_model={self.d_model} (merged image features "

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
 class ByteTokenizer:
-    """Ids 0..255 are bytes; specials follow. vocab_size is padded to a multiple of 16."""
+    """Ids 0..255 are bytes; specials follow. vocab_size is padded to a multiple of 16.
 
-    SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>")
+    The image placeholders of the Qwen-VL chat templates are specials too (ids 261..263), so
+    a tiny vision-language policy can use this tokenizer; `encode` reads only them as tokens
+    (other text, including the chat specials' names, stays bytes)."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>",
+                "<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+    _IMAGE_SPECIALS = re.compile(r"(<\|vision_start\|>|<\|image_pad\|>|<\|vision_end\|>)")
 
     def __init__(self) -> None:
         self.pad_id = 256
@@ -31,7 +38,12 @@ class ByteTokenizer:
         self.vocab_size = 272
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        if "<|" not in text:
+            return list(text.encode("utf-8"))
+        out: list[int] = []
+        for i, part in enumerate(self._IMAGE_SPECIALS.split(text)):
+            out += [self.special_ids[part]] if i % 2 else list(part.encode("utf-8"))
+        return out
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
         out = bytearray()

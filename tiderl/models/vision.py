@@ -55,6 +55,10 @@ class ImageInput(NamedTuple):
     taps_n4: Int[Array, "N 4"]
     """Qwen3-VL: the four learned-position rows blended into the patch's position embedding."""
     weights_n4: Float[Array, "N 4"]
+    band_l: Int[Array, " L"] | None = None
+    """Zeros whose length L (a power of two, static under jit) bounds every frame's patch
+    count: attention chunks then read only the keys within L of their queries (frames are
+    contiguous), not all N. None: every key."""
 
 
 def merge_order_rc(h: int, w: int, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,8 +127,11 @@ def image_input(pixel_values: Any, grid_thw: Any, cfg: VisionConfig,
         x = np.concatenate(parts).astype(dtype)
         return jnp.asarray(np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)))
 
+    longest = int((grid[:, 1] * grid[:, 2]).max()) if len(grid) else 1
+    band = jnp.zeros(1 << max(longest - 1, 0).bit_length(), jnp.int8)
     return ImageInput(cat([pixels], np.float32), cat(pos, np.int32), cat(frames, np.int32),
-                      cat(windows, np.int32), cat(taps, np.int32), cat(weights, np.float32))
+                      cat(windows, np.int32), cat(taps, np.int32), cat(weights, np.float32),
+                      band)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], std: float,
@@ -193,12 +200,13 @@ class VisionBlock(nnx.Module):
             self.up = Linear(rngs, d, f, ("embed", "mlp"), dtype)
             self.down = Linear(rngs, f, d, ("mlp", "embed"), dtype)
 
-    def __call__(self, x_nd: Array, ang_nf: Array, ids_n: Array, chunk: int) -> Array:
+    def __call__(self, x_nd: Array, ang_nf: Array, ids_n: Array, chunk: int,
+                 band: int = 0) -> Array:
         n, h, dh = x_nd.shape[0], self.cfg.n_heads, self.cfg.head_dim
         qkv = self.qkv(self.norm1(x_nd)).reshape(1, n, 3, h, dh)
         q = rotate(qkv[:, :, 0], ang_nf[None])
         k = rotate(qkv[:, :, 1], ang_nf[None])
-        out = segment_attend(q, k, qkv[:, :, 2], ids_n, chunk)
+        out = segment_attend(q, k, qkv[:, :, 2], ids_n, chunk, band)
         x_nd = x_nd + self.proj(out.reshape(n, h * dh))
         y = self.norm2(x_nd)
         act = ACTS[self.cfg.act]
@@ -233,11 +241,14 @@ def _same(ids_c: Array, at_c: Array, ids_n: Array) -> Array:
 
 
 def segment_attend(q_1nhd: Array, k_1nhd: Array, v_1nhd: Array, ids_n: Array,
-                   chunk: int) -> Array:
+                   chunk: int, band: int = 0) -> Array:
     """Bidirectional attention within segments (`ids_n`: frame or window ids), `chunk` queries
-    at a time when N exceeds it (each chunk's [H, chunk, N] scores recomputed in the backward,
-    as `layers.attend_query_chunked`): a screenshot's thousands of patches never hold an
-    [H, N, N] score array. 0 = dense."""
+    at a time when N exceeds it (each chunk's scores recomputed in the backward, as
+    `layers.attend_query_chunked`): a screenshot's thousands of patches never hold an
+    [H, N, N] score array. 0 = dense. `band` > 0 (every segment contiguous and at most `band`
+    long): a chunk reads only the keys within `band` of its queries — [H, chunk, chunk +
+    2·band] scores, not [H, chunk, N] (a batch of screenshots costs linear, not quadratic,
+    in their number)."""
     n = ids_n.shape[0]
     at_n = jnp.arange(n)
     if not chunk or n <= chunk:
@@ -248,6 +259,26 @@ def segment_attend(q_1nhd: Array, k_1nhd: Array, v_1nhd: Array, ids_n: Array,
         1, m, chunk, *q_1nhd.shape[2:]).swapaxes(0, 1)
     ids_mc = jnp.pad(ids_n, (0, pad)).reshape(m, chunk)
     at_mc = jnp.arange(m * chunk).reshape(m, chunk)
+    if band and chunk + 2 * band < n:
+        width = chunk + 2 * band
+        edge = ((0, 0), (band, pad + band), (0, 0), (0, 0))
+        k_pad, v_pad = jnp.pad(k_1nhd, edge), jnp.pad(v_1nhd, edge)
+        ids_pad = jnp.pad(ids_n, (band, pad + band))  # id 0: masked
+
+        @jax.checkpoint
+        def near(xs):
+            q, ids_c, at_c = xs
+            s = at_c[0]  # the chunk's first query; its keys start `band` before it
+            k = jax.lax.dynamic_slice_in_dim(k_pad, s, width, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(v_pad, s, width, axis=1)
+            ids_k = jax.lax.dynamic_slice_in_dim(ids_pad, s, width)
+            at_k = s - band + jnp.arange(width)
+            mask = (((ids_c[:, None] == ids_k[None, :]) & (ids_k != 0)[None, :])
+                    | (at_c[:, None] == at_k[None, :]))
+            return attend(q, k, v, mask[None])
+
+        out = jax.lax.map(near, (q_m1chd, ids_mc, at_mc))
+        return out.swapaxes(0, 1).reshape(1, m * chunk, *q_1nhd.shape[2:])[:, :n]
 
     @jax.checkpoint
     def one(xs):
@@ -297,10 +328,11 @@ class VisionTower(nnx.Module):
             x = x + pe.astype(x.dtype)
         ang = self.angles(images.pos_n2)
         windowed = images.window_n if cfg.kind == "qwen2_5_vl" else images.frame_n
+        band = 0 if images.band_l is None else images.band_l.shape[0]
         deep = []
         for i, block in enumerate(self.blocks):
             ids = images.frame_n if i in cfg.fullatt_blocks else windowed
-            x = block(x, ang, ids, attn_chunk)
+            x = block(x, ang, ids, attn_chunk, band)
             if i in cfg.deepstack_blocks:
                 deep.append(self.deepstack[cfg.deepstack_blocks.index(i)](x))
         return self.merger(x), tuple(deep)

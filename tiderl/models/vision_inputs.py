@@ -17,12 +17,15 @@ the image's merged grid has cells, as the processors expand the rendered chat.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ImageProcessing", "ImagePrompt", "PatchedImage", "patch_image", "smart_resize"]
+__all__ = ["ImageProcessing", "ImagePrompt", "PatchedImage", "image_prompt_for", "patch_image",
+           "smart_resize"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -129,3 +132,24 @@ class ImagePrompt:
 
         return expand_image_placeholders(ids, np.asarray([p.grid_thw for p in patched],
                                                          np.int64).reshape(-1, 3), self.vision)
+
+
+def image_prompt_for(model: Any) -> ImagePrompt | None:
+    """The ImagePrompt of a run's `model` config (None for a text policy): the image processor
+    of the checkpoint folder's preprocessor_config.json when it has one, else Qwen2.5-VL's;
+    `model.image_max_pixels` (when set) bounds the image area either way."""
+    if model.vision is None:
+        return None
+    processing = ImageProcessing()
+    pre = Path(model.checkpoint) / "preprocessor_config.json" if model.checkpoint else None
+    if pre is not None and pre.is_file():
+        try:
+            processing = ImageProcessing.from_preprocessor_config(json.loads(pre.read_text()))
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{pre} is not a readable image processor config ({e}); fix or "
+                             "remove it (then Qwen2.5-VL's settings apply)") from None
+    if model.image_max_pixels:
+        processing = dataclasses.replace(
+            processing, max_pixels=model.image_max_pixels,
+            min_pixels=min(processing.min_pixels, model.image_max_pixels))
+    return ImagePrompt(model.vision, processing)

@@ -26,6 +26,7 @@ from tiderl.envs.health import env_url_error
 from tiderl.envs.tasks import system_prompt as suite_system_prompt
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import load_tokenizer
+from tiderl.models.vision_inputs import image_prompt_for
 from tiderl.runtime.build import build_policy, start_devices
 from tiderl.runtime.devices import cell_layout
 from tiderl.runtime.parts import (
@@ -409,7 +410,10 @@ class _Job:
                                    temperature=rcfg.temperature, system=system) as (env, runner):
             self.manager = RolloutManager(self.slots, sched, env, self.template,
                                           max_turns=cfg.env.max_turns, system=system,
-                                          eval_temperature=c.eval_temperature, runner=runner)
+                                          eval_temperature=c.eval_temperature, runner=runner,
+                                          images=image_prompt_for(cfg.model),
+                                          image_window=cfg.env.image_window,
+                                          image_keep=cfg.env.image_keep)
             self.slots.clear()  # the manager holds the ranks now: a drained one is freed
             controller = Controller(
                 c, manager=self.manager, trainer=self.trainer, hooks=hooks,

@@ -135,7 +135,8 @@ class DecodeState:
 
 @functools.lru_cache(maxsize=32)  # bounded: a long-lived process must not pile up executables
 def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
-              top_p: float, keep_logits: bool, pool_sharding: Any = None):
+              top_p: float, keep_logits: bool, pool_sharding: Any = None,
+              banned: tuple[int, ...] = ()):
     """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T) or
     page-table width (the engine passes a few widths: `Engine._table_width`).
 
@@ -172,7 +173,8 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         logits_bv = logits_bv.astype(jnp.float32)
         # The sampled token's position is the one after the last token fed.
         keys_b = token_keys(run_key, task_ids_b, start_b + n_new_b)
-        tokens_b, logprob_b = sample(logits_bv, keys_b, temperature_b, top_k=top_k, top_p=top_p)
+        tokens_b, logprob_b = sample(logits_bv, keys_b, temperature_b, top_k=top_k, top_p=top_p,
+                                     banned=banned)
         # Token and logprob bits in one int32 array: one device→host copy per step.
         packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
         # Prefill keeps its logits on the device: siblings with the same context sample from
@@ -186,7 +188,7 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
 
 
 @functools.lru_cache(maxsize=8)
-def make_sampler(*, top_k: int, top_p: float):
+def make_sampler(*, top_k: int, top_p: float, banned: tuple[int, ...] = ()):
     """Jitted sampling from given logits rows: a sibling whose context another task's prefill
     just computed samples its own first token (its own key) from those logits."""
     trace_counts: collections.Counter = collections.Counter()
@@ -195,7 +197,7 @@ def make_sampler(*, top_k: int, top_p: float):
         trace_counts[("sample", logits_nv.shape[0])] += 1
         keys_n = token_keys(run_key, task_ids_n, positions_n)
         tokens_n, logprob_n = sample(logits_nv.astype(jnp.float32), keys_n, temperature_n,
-                                     top_k=top_k, top_p=top_p)
+                                     top_k=top_k, top_p=top_p, banned=banned)
         return jnp.stack([tokens_n, jax.lax.bitcast_convert_type(logprob_n, jnp.int32)], 1)
 
     jitted = jax.jit(sample_rows)
@@ -284,11 +286,16 @@ class Engine:
         self.keep_logits = keep_logits
         self.logits_log: list[tuple[int, int, np.ndarray]] = []
         """(task_id, position, logits_v) of every sampled token when keep_logits (tests)."""
+        # A vision-language policy never samples its image placeholders (an action holding one
+        # would read as an image that is not there).
+        v = model_cfg.vision
+        banned = () if v is None else tuple(sorted({v.image_token_id, v.vision_start_token_id}))
         common = dict(impl=self.attention, interpret=self.interpret, top_k=cfg.top_k,
-                      top_p=cfg.top_p, keep_logits=keep_logits, pool_sharding=self.pool_sharding)
+                      top_p=cfg.top_p, keep_logits=keep_logits, pool_sharding=self.pool_sharding,
+                      banned=banned)
         self._prefill_fn = make_step(graphdef, kind="prefill", **common)
         self._decode_fn = make_step(graphdef, kind="decode", **common)
-        self._sample_fn = make_sampler(top_k=cfg.top_k, top_p=cfg.top_p)
+        self._sample_fn = make_sampler(top_k=cfg.top_k, top_p=cfg.top_p, banned=banned)
         # A vision-language policy: the tower runs in prefill over the images being computed.
         self.vision = model_cfg.vision
         self._encode_fn = None if self.vision is None else make_encoder(graphdef)

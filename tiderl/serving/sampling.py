@@ -7,6 +7,9 @@ recomputes at the same T.
   information, so at T = 0 we return the untempered log_softmax(logits_f32)[token] (T = 1).
 - top-k / top-p (off by default) truncate the sampling distribution only; the returned logprob
   stays the full-vocabulary one above, and the engine flags such results (`filtered`).
+- `banned` ids are never sampled, greedy included (a vision-language policy's image
+  placeholders: in an action they would read as an image that is not there); the returned
+  logprob stays the full-vocabulary one, as the trainer recomputes it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def sample(
     *,
     top_k: int = 0,
     top_p: float = 1.0,
+    banned: tuple[int, ...] = (),
 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """(tokens, logprobs): temperature first, full vocabulary; greedy where T == 0."""
     logits_bv = logits_bv.astype(jnp.float32)
@@ -58,6 +62,10 @@ def sample(
     scaled_bv = logits_bv / jnp.where(greedy_b, 1.0, temperature_b)[:, None]
     logprobs_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
     sampling_bv = _truncate(scaled_bv, top_k, top_p)
+    if banned:
+        ids = jnp.asarray(banned, jnp.int32)
+        sampling_bv = sampling_bv.at[:, ids].set(jnp.finfo(jnp.float32).min)
+        logits_bv = logits_bv.at[:, ids].set(jnp.finfo(jnp.float32).min)
     # The Gumbel noise (threefry bits for every row and token) is most of a sampling call's
     # cost on a CPU (B=32, V=49,152: ~4x the rest); an all-greedy batch skips it.
     sampled_b = jax.lax.cond(
