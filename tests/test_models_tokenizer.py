@@ -15,6 +15,21 @@ def test_byte_tokenizer_round_trip_and_specials():
     assert tok.vocab_size == 272 and load_tokenizer("byte").eos_id == 258
 
 
+def test_byte_tokenizer_reads_the_image_placeholders_as_tokens_and_nothing_else():
+    """The Qwen-VL image placeholders are ids 261-263 (a tiny vision-language policy's); the
+    chat specials' names and other text stay bytes, so the embedded default's ids are
+    unchanged."""
+    tok = ByteTokenizer()
+    ids = tok.encode("a<|vision_start|><|image_pad|><|image_pad|><|vision_end|>b")
+    assert ids == [97, 261, 262, 262, 263, 98]
+    assert tok.encode("<|im_end|> <eos> <|image|>") == list(b"<|im_end|> <eos> <|image|>")
+    assert tok.decode(ids) == "ab"
+    assert tok.encode(tok.decode(ids, skip_special=False)) == ids
+    assert [tok.token_to_id(t) for t in ("<|vision_start|>", "<|image_pad|>",
+                                         "<|vision_end|>")] == [261, 262, 263]
+    assert tok.vocab_size == 272
+
+
 def test_hf_tokenizer_specials_keep_id_zero(tmp_path):
     t = Tokenizer(models.WordLevel({"</s>": 0, "<pad>": 1, "a": 2, "b": 3}, unk_token="a"))
     t.save(str(tmp_path / "tokenizer.json"))

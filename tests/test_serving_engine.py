@@ -349,3 +349,30 @@ def test_prefill_many_matches_single_prefills_and_is_all_or_nothing(model):
         eng.prefill_many(None, [PrefillRequest(None, [1], 1, task_id=100 + i) for i in range(5)])
     assert eng.pages.pages_in_use == in_use and int((~eng.pages.in_use).sum()) == free_slots
     eng.pages.check()
+
+
+def test_banned_tokens_are_never_sampled_and_logprobs_stay_full_vocabulary():
+    """`sample(banned=...)` (a vision-language policy's image placeholders): rows whose
+    logits favour a banned id never return it, greedy or sampled, and the returned logprob is
+    the full-vocabulary log_softmax(logits / T) of the token drawn, as without a ban."""
+    from tiderl.serving.sampling import sample
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 16)).astype(np.float32)
+    logits[:, 5] += 6.0  # the banned id holds most of the mass
+    logits[:, 7] += 3.0
+    keys = jax.random.split(jax.random.key(0), 64)
+    for temp in (0.0, 1.0):
+        t = np.full(64, temp, np.float32)
+        free, _ = sample(jnp.asarray(logits), keys, jnp.asarray(t))
+        toks, lps = sample(jnp.asarray(logits), keys, jnp.asarray(t), banned=(5, 9))
+        toks = np.asarray(toks)
+        assert (np.asarray(free) == 5).mean() > 0.5  # it would be drawn without the ban
+        assert not np.isin(toks, (5, 9)).any()
+        scaled = logits / (temp if temp > 0 else 1.0)
+        ref = np.asarray(jax.nn.log_softmax(jnp.asarray(scaled), axis=-1))
+        np.testing.assert_allclose(np.asarray(lps), ref[np.arange(64), toks], atol=1e-6)
+    greedy, _ = sample(jnp.asarray(logits), keys, jnp.zeros(64, jnp.float32), banned=(5,))
+    masked = logits.copy()
+    masked[:, 5] = -np.inf
+    np.testing.assert_array_equal(np.asarray(greedy), masked.argmax(-1))
