@@ -34,8 +34,8 @@ def _setup(tmp_path):
 class _EnvLog:
     """The env client, passing every call through, keeping each task's replies."""
 
-    def __init__(self, env):
-        self.env, self.replies = env, {}
+    def __init__(self, env, before_step=None):
+        self.env, self.replies, self.before_step = env, {}, before_step
         self._task = {}
 
     async def start(self, spec):
@@ -45,6 +45,8 @@ class _EnvLog:
         return r
 
     async def step(self, session, action):
+        if self.before_step is not None:
+            await self.before_step(self._task[session], len(self.replies[self._task[session]]))
         r = await self.env.step(session, action)
         self.replies[self._task[session]].append(r)
         return r
@@ -53,11 +55,14 @@ class _EnvLog:
         return getattr(self.env, name)
 
 
-async def _play(tmp_path, *, window, keep=KEEP, group_size=2):
+async def _play(tmp_path, *, window, keep=KEEP, group_size=2, n_ranks=1, scheduler="ctb",
+                num_pages=None, drain_before_step=None):
     """Plays one gui group (5 oracle turns: a 12-turn budget no random action solves, so 12
-    screenshots reach the context). Returns (trajectories, the engine's prefill requests,
-    each task's turn results, the env's replies, what the scheduler held at each fresh
-    prefill, tok, tmpl, prompt)."""
+    screenshots reach the context) on `n_ranks` ranks whose engines have `num_pages` pages of
+    16 tokens. `drain_before_step`: before the first task's step of that number (from 1), its
+    rank is drained. Returns (trajectories, the engines' prefill requests, each task's turn
+    results, the env's replies, what the scheduler held at each fresh prefill after a cut,
+    tok, tmpl, prompt, the manager, the ranks)."""
     from tiderl.envs.adapters.gui import GuiDesktop
     from tiderl.envs.client import EnvClient
     from tiderl.envs.config import EnvConfig
@@ -71,7 +76,7 @@ async def _play(tmp_path, *, window, keep=KEEP, group_size=2):
 
     tok, tmpl, prompt = _setup(tmp_path)
     requests, results, at_fresh, held = [], {}, [], []
-    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=8192)
+    sched = make_scheduler(scheduler, CTBConfig(), [1 << 16] * n_ranks, max_context=8192)
 
     class Recording(SimEngine):
         """Records each prefill request (and, at a fresh one after the first turn, whether
@@ -94,8 +99,10 @@ async def _play(tmp_path, *, window, keep=KEEP, group_size=2):
                                if numeric_id(t) == r.task_id)
                     t = sched.tasks[tid]
                     sched._check_indexes()
-                    at_fresh.append((tid, t.tokens, t.prompt_tokens, sched.usage(0),
-                                     sched._usage_of(sched.active_on(0))))
+                    ctb = scheduler == "ctb"  # (the vanilla scheduler plans no usage)
+                    at_fresh.append((tid, t.tokens, t.prompt_tokens,
+                                     sched.usage(t.rank) if ctb else None,
+                                     sched._usage_of(sched.active_on(t.rank)) if ctb else None))
                 self.seen.add(r.task_id)
             return super().prefill_many(params, reqs)
 
@@ -115,21 +122,32 @@ async def _play(tmp_path, *, window, keep=KEEP, group_size=2):
 
     cfg = EnvConfig(suite="gui", options=("width=320", "height=200", "min_turns=5",
                                           "max_turns=5"), retries=0)
-    engine = Recording(max_action_tokens=8, max_context=8192,
-                       actions=DigitActions(0, length=4), stop_tokens=tuple(tmpl.stop_ids))
-    rank = Rank(0, engine)
-    await rank.start()
+    ranks = [Rank(i, Recording(max_action_tokens=8, max_context=8192, num_pages=num_pages,
+                               actions=DigitActions(0, length=4),
+                               stop_tokens=tuple(tmpl.stop_ids)))
+             for i in range(n_ranks)]
+    for rank in ranks:
+        await rank.start()
+    task, drained = "train/e0/g0/m0", []
+
+    async def drain(task_id, steps_before):
+        if task_id == task and steps_before + 1 == drain_before_step:
+            drained.append(mgr.episodes[task_id].holder)
+            await mgr.drain_rank(drained[-1])
+            assert mgr.episodes[task_id].handoff is not None  # the drain handed it over
+
     try:
         async with EnvServer(GuiDesktop, cfg).serve() as url, EnvClient(url, cfg) as client:
-            env = _EnvLog(client)
-            mgr = RolloutManager([rank], sched, env, tmpl, max_turns=20, system=SYSTEM,
+            env = _EnvLog(client, drain if drain_before_step else None)
+            mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=20, system=SYSTEM,
                                  images=prompt, image_window=window, image_keep=keep)
             trajs = await mgr.run_group(TaskSource("gui", "train", groups=1,
                                                    group_size=group_size).element(0))
     finally:
-        await rank.close()
-    assert held == []
-    return trajs, requests, results, env.replies, at_fresh, tok, tmpl, prompt, mgr
+        for rank in ranks:
+            await rank.close()
+    assert held == [] and len(drained) == bool(drain_before_step)
+    return trajs, requests, results, env.replies, at_fresh, tok, tmpl, prompt, mgr, ranks
 
 
 def _oracle(tmpl, prompt, replies, results):
@@ -164,7 +182,7 @@ def test_a_twelve_image_trajectory_is_cut_once_and_continues_from_the_kept_image
     from tiderl.envs.templates import Transcript
     from tiderl.serving.rollout import numeric_id
 
-    trajs, requests, results, replies, at_fresh, tok, tmpl, prompt, mgr = asyncio.run(
+    trajs, requests, results, replies, at_fresh, tok, tmpl, prompt, mgr, _ = asyncio.run(
         _play(tmp_path, window=WINDOW))
     assert mgr.window.cuts == 2
     image_token = prompt.vision.image_token_id
@@ -288,7 +306,7 @@ def test_the_buffer_and_batcher_train_both_parts_with_the_trajectorys_advantage(
 
 def test_window_zero_never_cuts(tmp_path):
     """image_window=0 (the default): the same 12-screenshot episode stays one context."""
-    trajs, requests, *_, mgr = asyncio.run(_play(tmp_path, window=0, group_size=1))
+    trajs, requests, *_, mgr, _ = asyncio.run(_play(tmp_path, window=0, group_size=1))
     (t,) = trajs
     assert mgr.window.cuts == 0 and t.segments == [] and len(t.images) == 12
     assert [fresh for _, fresh, _, _ in requests] == [True] + [False] * 11
@@ -368,3 +386,41 @@ def test_a_cut_after_actions_ended_at_the_action_limit_and_a_continuation_that_s
     assert [a is b for a, b in zip(traj.images, uncut[2], strict=True)] == [True] * 3
     ImageWindow.settle(traj)  # nothing cut: unchanged
     assert traj.tokens == uncut[0]
+
+
+def _parts(t):
+    """A trajectory's parts by value: tokens, masks and image pixels of each."""
+    return [(p.tokens, p.loss_mask, [(im.pixels.tobytes(), tuple(im.grid_thw))
+                                     for im in p.images]) for p in [*t.segments, t]]
+
+
+@pytest.mark.parametrize("case", ["evictions", "drained"])
+def test_cuts_under_kv_pressure_and_after_a_drained_rank_give_the_same_trajectories(
+        tmp_path, case):
+    """Sampling is keyed by task and position, so a task's trajectory does not depend on
+    where or how often its KV was computed. The vanilla scheduler on a pool too small for
+    both tasks' contexts (the rank evicts the idle one, LRU, and recomputes it), or a second
+    rank taking over after the first task's rank is drained right before the step whose
+    observation is cut (the cut drops the handle the drain handed over): both tasks are cut
+    once and their parts equal the unhindered run's, token for token and image for image."""
+    from tiderl.serving.rollout import numeric_id
+
+    base = asyncio.run(_play(tmp_path / "base", window=WINDOW))
+    if case == "evictions":
+        # 110 pages of 16 tokens: one task's context (up to ~1,500 tokens) fits, two do not.
+        run = asyncio.run(_play(tmp_path / "run", window=WINDOW, scheduler="vanilla",
+                                num_pages=110))
+        assert sum(r.stats.forced_evictions for r in run[-1]) > 0
+    else:
+        run = asyncio.run(_play(tmp_path / "run", window=WINDOW, n_ranks=2,
+                                drain_before_step=10))
+        mgr, requests = run[-2], run[1]
+        assert sum(r is None for r in mgr.ranks) == 1  # the task's rank was drained
+        # The cut task's continuation was prefilled from scratch (not from the handed-over
+        # handle) on the rank left.
+        sid = numeric_id("train/e0/g0/m0")
+        assert [fresh for s, fresh, _, _ in requests if s == sid] == \
+            [True] + [False] * 9 + [True, False]
+    for want, got in zip(base[0], run[0], strict=True):
+        assert got.task_id == want.task_id and len(got.segments) == 1
+        assert _parts(got) == _parts(want)
