@@ -184,7 +184,7 @@ def test_a_twelve_image_trajectory_is_cut_once_and_continues_from_the_kept_image
 
     trajs, requests, results, replies, at_fresh, tok, tmpl, prompt, mgr, _ = asyncio.run(
         _play(tmp_path, window=WINDOW))
-    assert mgr.window.cuts == 2
+    assert mgr.window.cuts == mgr.stats()["window_cuts"] == 2
     image_token = prompt.vision.image_token_id
     for t in trajs:
         sid = numeric_id(t.task_id)

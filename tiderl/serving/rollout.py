@@ -608,7 +608,7 @@ class RolloutManager:
         the ranks' engines worked, mean over live ranks) and `tasks_executing` /
         `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
         their observation in hand, and waiting on their environment) over the window since
-        `new_window()`."""
+        `new_window()`; `window_cuts`: contexts the sliding image window cut so far."""
         live = [r for r in self.ranks if r is not None]
         every = [r.stats for r in live] + [self.retired]
         prompt = sum(s.prompt_tokens for s in every)
@@ -623,6 +623,7 @@ class RolloutManager:
             "computed_tokens": sum(s.computed_tokens for s in every),
             "decode_tokens": sum(s.decode_tokens for s in every),
             "forced_evictions": sum(s.forced_evictions for s in every),
+            "window_cuts": self.window.cuts,
             "decisions": dict(self.decisions),
             "end_reasons": dict(self.end_reasons),
             "tasks_submitted": self.submitted,
