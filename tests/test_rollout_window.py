@@ -424,3 +424,48 @@ def test_cuts_under_kv_pressure_and_after_a_drained_rank_give_the_same_trajector
     for want, got in zip(base[0], run[0], strict=True):
         assert got.task_id == want.task_id and len(got.segments) == 1
         assert _parts(got) == _parts(want)
+
+
+def test_an_observations_images_stay_together_in_the_continuation(tmp_path):
+    """Two screenshots per observation, window 4, keep 1: the most recent image shares its
+    observation with the one before, so both are kept and the continuation opens with that
+    whole observation (its user turn), never between its images."""
+    import functools
+
+    import PIL.Image
+
+    from tiderl.envs.protocol import EndReason
+    from tiderl.envs.templates import Transcript
+    from tiderl.serving.rollout import Trajectory
+    from tiderl.serving.rollout_window import ImageWindow, task_head
+
+    tok, tmpl, prompt = _setup(tmp_path)
+    rng = np.random.default_rng(4)
+    pics = [PIL.Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
+            for _ in range(5)]
+    text, ims = prompt.observation("find the file", pics[:1])
+    tr = Transcript.start(tmpl, text, system=SYSTEM, expand=functools.partial(prompt.expand, ims))
+    first_len = len(tr)
+    traj = Trajectory(task_id="t", group_id="g", is_eval=False, tokens=[], loss_mask=[],
+                      logprobs=[], versions=[], reward=0.0, end_reason=EndReason.done, turns=0)
+    traj.images += ims
+    starts = []
+    for k, shown in ((1, pics[1:3]), (2, pics[3:5])):
+        tr.add_action(tok.encode(f"click {k}") + [tok.token_to_id("<|im_end|>")])
+        text, ims = prompt.observation(f"step {k} done", shown)
+        starts.append(len(tr))
+        tr.add_observation(text, expand=functools.partial(prompt.expand, ims))
+        traj.images += ims
+    tr.add_action(tok.encode("click 3") + [tok.token_to_id("<|im_end|>")])
+    traj.logprobs = [-0.5 * m for m in tr.loss_mask]
+    traj.versions = [m - 1 for m in tr.loss_mask]
+    uncut, images = list(tr.tokens), list(traj.images)
+    head = task_head(tmpl, "find the file", SYSTEM)
+    cont = ImageWindow(4, 1).cut(traj, tr, head=head, first_len=first_len,
+                                 image_token=prompt.vision.image_token_id)
+    after = len(tok.encode("\n"))
+    assert cont.tokens == head + uncut[starts[1] + after:]
+    assert tok.decode(cont.tokens[len(head):len(head) + 3], skip_special=False).startswith(
+        "<|im_start|>user\n")
+    assert [a is b for a, b in zip(traj.images, images[3:], strict=True)] == [True, True]
+    assert traj.segments[0].tokens == uncut and len(traj.segments[0].images) == 5

@@ -14,6 +14,8 @@ that holds `window` images or more:
   from the user turn of the observation that holds the first kept image (the template's
   after-action tokens, which the head's closing turn already ends with, are not repeated).
   The kept images are the same objects the engine was given (host copies, as for recompute);
+  an observation's images stay together (when the first kept image shares its observation
+  with older ones, those are kept too, so the continuation never opens inside an observation);
 - the task's handle and KV are freed on its rank and the continuation, with the new
   observation, is prefilled from scratch (recompute); the scheduler no longer counts the
   group's prompt as shared by this task (`TaskTable.restart_context`).
@@ -29,7 +31,7 @@ import dataclasses
 from typing import Any
 
 from tiderl.envs.templates import Transcript, TurnTemplate
-from tiderl.train.image_window import Segment, cut, needs_cut
+from tiderl.train.image_window import Segment, WindowError, cut, needs_cut
 
 __all__ = ["ImageWindow", "task_head"]
 
@@ -76,7 +78,7 @@ class ImageWindow:
         if not needs_cut(context, self.window):
             raise ValueError(f"a context of {len(context.images)} images is below "
                              f"image_window={self.window}; nothing to cut")
-        done, cont = cut(context, head_len=first_len, keep=self.keep)
+        done, cont = self._cut(context, first_len)
         tail = cont.tokens[first_len:]
         at = n - len(tail)
         if context.loss_mask[at - 1]:  # the tail opens an observation that follows an action
@@ -88,6 +90,19 @@ class ImageWindow:
         self.cuts += 1
         return dataclasses.replace(transcript, tokens=tokens, loss_mask=[0] * len(tokens),
                                    action_spans=[])
+
+    def _cut(self, context: Segment, first_len: int) -> tuple[Segment, Segment]:
+        """`cut` keeping an observation's images together: when the first kept image shares
+        its observation with older ones, those are kept too (the continuation then opens with
+        that whole observation, never inside it); with no such cut, `keep` as it is."""
+        for keep in range(self.keep, len(context.images)):
+            try:
+                done, cont = cut(context, head_len=first_len, keep=keep)
+            except WindowError:
+                break
+            if context.loss_mask[len(context.tokens) - len(cont.tokens) + first_len - 1]:
+                return done, cont
+        return cut(context, head_len=first_len, keep=self.keep)
 
     @staticmethod
     def settle(traj: Any) -> None:
