@@ -188,3 +188,39 @@ async def test_the_episode_loop_hands_screenshots_to_the_engine_as_image_tokens(
         assert "[image 1:" not in tok.decode(t.tokens)
         pos = sequence_positions(t.tokens, grids, vision.image_token_id, 2)
         assert pos.shape == (len(t.tokens), 3)
+
+
+def test_a_runs_image_prompt_reads_the_checkpoints_processor_and_the_pixel_bound(tmp_path):
+    """`image_prompt_for(model)`: None for a text policy; the checkpoint folder's
+    preprocessor_config.json (pixel bounds, mean, std), else Qwen2.5-VL's; model.
+    image_max_pixels bounds the area either way; an unreadable file is one ConfigError naming
+    it."""
+    import dataclasses
+    import json
+
+    from tiderl.configlib import ConfigError
+    from tiderl.models.config import ModelConfig
+    from tiderl.models.vision_inputs import image_prompt_for
+
+    vision = VisionConfig(patch_size=4, out_dim=32)
+    text = ModelConfig(d_model=32, head_dim=8, mlp_dim=64, n_heads=4, n_kv_heads=2)
+    assert image_prompt_for(text) is None
+    model = dataclasses.replace(text, vision=vision)
+    assert image_prompt_for(model).processing == ImageProcessing()
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 1024, "longest_edge": 9000}, "image_mean": [0.5] * 3,
+         "image_std": [0.5] * 3}))
+    ckpt = dataclasses.replace(model, checkpoint=str(tmp_path))
+    got = image_prompt_for(ckpt).processing
+    assert (got.min_pixels, got.max_pixels, got.mean) == (1024, 9000, (0.5, 0.5, 0.5))
+    bounded = image_prompt_for(dataclasses.replace(ckpt, image_max_pixels=512)).processing
+    assert (bounded.min_pixels, bounded.max_pixels, bounded.std) == (512, 512, (0.5, 0.5, 0.5))
+    from PIL import Image
+
+    big = Image.new("RGB", (320, 200))
+    _, [patched] = image_prompt_for(dataclasses.replace(model, image_max_pixels=4096)
+                                    ).observation("x", [big])
+    assert int(np.prod(patched.grid_thw)) * 16 <= 4096  # 4x4-pixel patches under the bound
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="preprocessor_config.json is not a readable"):
+        image_prompt_for(ckpt)

@@ -146,8 +146,10 @@ def image_prompt_for(model: Any) -> ImagePrompt | None:
         try:
             processing = ImageProcessing.from_preprocessor_config(json.loads(pre.read_text()))
         except (ValueError, TypeError, AttributeError) as e:
-            raise ValueError(f"{pre} is not a readable image processor config ({e}); fix or "
-                             "remove it (then Qwen2.5-VL's settings apply)") from None
+            from tiderl.configlib import ConfigError
+
+            raise ConfigError(f"{pre} is not a readable image processor config ({e}); fix or "
+                              "remove it (then Qwen2.5-VL's settings apply)") from None
     if model.image_max_pixels:
         processing = dataclasses.replace(
             processing, max_pixels=model.image_max_pixels,
