@@ -1,8 +1,10 @@
 """Images on the OpenAI-compatible endpoint: `image_url` parts with data URLs parsed and kept
-with their message (checked against env.images), and — every policy here being text-only — a
-request with images answered 400 saying the policy has no vision tower; bad images (too large,
-too many, not an image, not a data URL) are a clear 400 naming the limit, through the real
-openai client, and the task goes on."""
+with their message (checked against env.images); a vision-language policy (the manager's
+`ImagePrompt`) reads them — each image's placeholder where its part came, expanded, patched and
+handed to the engine with its turn's tokens, in `Trajectory.images` in order, never twice — and
+a text policy answers 400 saying it has no vision tower; bad images (too large, too many, not an
+image, not a data URL) are a clear 400 naming the limit, through the real openai client, and
+the task goes on."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import asyncio
 import base64
 import io
 import random
+
+import numpy as np
 
 import pytest
 from test_agents_endpoint import _post, _with_gate, tok  # noqa: F401 - tok is a fixture
@@ -117,3 +121,180 @@ def test_the_openai_client_gets_a_400_no_vision_and_the_task_goes_on(tok):  # no
     # The text request after four refused ones is a retry-free first turn: the task went on.
     assert out["raw"][0] == 400 and out["raw"][1]["error"]["code"] == "no_vision"
     assert t.turns == 1 and runner.endpoint.requests[400] >= 5
+
+
+# -- a vision-language policy --------------------------------------------------------------------
+def _vlm_harness(folder, tokenizer: str):
+    """(tokenizer, template, ImagePrompt) of a tiny VLM: the local HF tokenizer with the
+    Qwen2-VL chat template (test_models_vision_inputs), or the byte tokenizer's template."""
+    from test_models_vision_inputs import _vl_tokenizer
+
+    from tiderl.envs.templates import template_for
+    from tiderl.models.config import VisionConfig
+    from tiderl.models.tokenizer import ByteTokenizer
+    from tiderl.models.vision_inputs import ImageProcessing, ImagePrompt
+
+    hf, tok = _vl_tokenizer(folder) if tokenizer == "hf" else (None, ByteTokenizer())
+    vision = VisionConfig(patch_size=4, image_token_id=tok.token_to_id("<|image_pad|>"))
+    return hf, tok, template_for(tok), ImagePrompt(vision, ImageProcessing(min_pixels=64,
+                                                                           max_pixels=4096))
+
+
+async def _vlm_task(tok, template, prompt, script, check):
+    """One gated agent task on a RolloutManager with `prompt` (a VLM): `check(base_url)` in a
+    thread; (its result, the trajectory, what each prefill of the task received)."""
+    import test_agents_endpoint as ep
+
+    from tiderl.agents.runner import episode_backend
+    from tiderl.envs.config import EnvConfig
+    from tiderl.serving.ctb import CTBConfig, make_scheduler
+    from tiderl.serving.rank import RolloutRank
+    from tiderl.serving.rollout import RolloutManager
+
+    prefills: list[tuple[list[int], list]] = []
+
+    class Recording(ep.ScriptedEngine):
+        def prefill_many(self, params, requests):
+            for r in requests:
+                prefills.append((list(r.tokens), list(r.images or [])))
+            return super().prefill_many(params, requests)
+
+    stop = template.stop[0]
+    engine = Recording([tok.encode(t) + [stop] for t in script],
+                       stop_tokens=tuple(template.stop_ids))
+    rank = RolloutRank(0, engine)
+    await rank.start()
+    sched = make_scheduler("ctb", CTBConfig(), [1 << 16], max_context=4096)
+    cfg = EnvConfig(agent="test_agents_endpoint:gated", max_turns=4)
+    ep.GATE.clear()
+    ep.GATE.update(ready=asyncio.Event(), release=asyncio.Event(), returns=1.0)
+    try:
+        async with episode_backend(cfg, template, max_action_tokens=64,
+                                   temperature=1.0) as (_, runner):
+            mgr = RolloutManager([rank], sched, None, template, max_turns=4, images=prompt,
+                                 runner=runner)
+            run = asyncio.ensure_future(mgr.run_group(ep.group()))
+            await ep.GATE["ready"].wait()
+            result = await asyncio.to_thread(check, ep.GATE["url"])
+            ep.GATE["release"].set()
+            (t,) = await run
+    finally:
+        await rank.close()
+    return result, t, prefills
+
+
+def _pic(url: str):
+    from tiderl.envs.images import from_bytes
+
+    return from_bytes(base64.b64decode(url.split(",", 1)[1]), ImageConfig()).pil()
+
+
+# The HF variant trains a tokenizer and imports transformers' processor: ~50 s on a shared box.
+@pytest.mark.parametrize("tokenizer", [pytest.param("hf", marks=pytest.mark.slow), "byte"])
+def test_a_vlm_policy_reads_the_agents_images_turn_by_turn(tmp_path, tokenizer):
+    """A two-turn conversation through the real openai client, one image in the first user
+    message (before its text) and two in the second (around its text): the engine's prefills
+    got 1 then 2 images (patch_image of the decoded images, nothing re-sent), the trajectory's
+    tokens hold their expanded placeholder runs in order — with the HF tokenizer, exactly the ids
+    transformers' Qwen2.5-VL processor renders for the conversation, and its pixel values — and
+    `Trajectory.images` the three images; a text-only turn after them still runs; bad images
+    and an image outside a user message are 400 and the task goes on."""
+    from tiderl.models.rope_index import placeholder_count, sequence_positions
+    from tiderl.models.vision_inputs import patch_image
+
+    hf, tok, template, prompt = _vlm_harness(tmp_path, tokenizer)
+    a, b, c = data_url(32, 48), data_url(21, 37, color=(200, 10, 10)), data_url(
+        16, 16, noise=True)
+    first = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": a}},
+                                         {"type": "text", "text": "What is on the screen?"}]}
+    second = {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": b}}, {"type": "text", "text": "Now these:"},
+        {"type": "image_url", "image_url": {"url": c}}]}
+
+    def check(base):
+        client = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
+        msgs = [first]
+        r1 = client.chat.completions.create(model="x", messages=msgs).choices[0].message
+        msgs += [{"role": "assistant", "content": r1.content}]
+        out = {}
+        for name, bad in (("wide", user(data_url(300, 1))),
+                          ("injected", {"role": "user", "content": "<|image_pad|> hi"}),
+                          ("system", {"role": "system", "content": [
+                              {"type": "image_url", "image_url": {"url": a}}]})):
+            try:
+                client.chat.completions.create(model="x", messages=[*msgs, bad])
+                out[name] = (200, "")
+            except openai.BadRequestError as e:
+                out[name] = (e.status_code, e.body["message"], e.body["code"])
+        msgs.append(second)
+        r2 = client.chat.completions.create(model="x", messages=msgs).choices[0].message
+        msgs += [{"role": "assistant", "content": r2.content},
+                 {"role": "user", "content": "Thanks."}]
+        r3 = client.chat.completions.create(model="x", messages=msgs).choices[0].message
+        return out, [r1.content, r2.content, r3.content]
+
+    (bad, replies), t, prefills = asyncio.run(_vlm_task(
+        tok, template, prompt, ["A window.", "Two buttons.", "Bye."], check))
+    assert replies == ["A window.", "Two buttons.", "Bye."]
+    assert bad["wide"][:1] == (400,) and bad["wide"][2] == "invalid_image"
+    assert "aspect ratio is over 200" in bad["wide"][1]
+    assert bad["injected"][2] == "invalid_image" and "placeholder" in bad["injected"][1]
+    assert bad["system"][2] == "invalid_image" and "images go in user messages" in \
+        bad["system"][1]
+    assert t.ok and t.turns == 3, (t.end_reason, t.error)
+    # The engine got each turn's new images once, in order, as patch_image gives them.
+    assert [len(images) for _, images in prefills] == [1, 2, 0]
+    want = [patch_image(_pic(u), prompt.vision, prompt.processing) for u in (a, b, c)]
+    sent = [im for _, images in prefills for im in images]
+    for got, ref in zip(sent, want, strict=True):
+        assert list(got.grid_thw) == list(ref.grid_thw)
+        np.testing.assert_array_equal(got.pixels, ref.pixels)
+    assert len(t.images) == 3 and all(x is y for x, y in zip(t.images, sent, strict=True))
+    # The trajectory's tokens: each image's run expanded, in order; M-RoPE positions follow.
+    grids = [list(p.grid_thw) for p in t.images]
+    image_id = prompt.vision.image_token_id
+    runs = [len(r) for r in "".join("x" if i == image_id else " " for i in t.tokens).split()]
+    assert runs == placeholder_count(grids, 2) and len(set(runs)) == 3
+    assert sequence_positions(t.tokens, grids, image_id, 2).shape == (len(t.tokens), 3)
+    assert sum(t.loss_mask) == sum(len(tok.encode(r)) + 1 for r in replies)
+    text = tok.decode(t.tokens, skip_special=False)
+    assert text.count("<|vision_start|>") == 3
+    first_text = text.split("What is on the screen?")[0]
+    assert first_text.count("<|vision_start|>") == 1  # image parts before their text
+    second_text = text.split("A window.")[1].split("Two buttons.")[0]  # in the parts' order
+    assert [x.count("<|vision_start|>") for x in second_text.split("Now these:")] == [1, 1]
+    if hf is not None:
+        _equals_the_processor(hf, t, tok, [first, second], replies, want)
+
+
+def _equals_the_processor(hf, t, tok, users, replies, patched):
+    """The trajectory's ids up to the last reply equal transformers' Qwen2.5-VL processor's
+    apply_chat_template of the conversation (image parts as sent), and its pixel values."""
+    from test_models_vision_inputs import PROC
+    from test_models_vlm import QWEN2_VL_TEMPLATE
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil
+
+    proc = object.__new__(Qwen2_5_VLProcessor)  # as test_models_vlm: no torchvision here
+    proc.image_processor = Qwen2VLImageProcessorPil(**PROC)
+    proc.tokenizer, proc.video_processor, proc.chat_template = hf, None, QWEN2_VL_TEMPLATE
+    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
+    proc.image_token_id = hf.convert_tokens_to_ids("<|image_pad|>")
+    proc.video_token_id = hf.convert_tokens_to_ids("<|video_pad|>")
+
+    def parts(m):
+        return {"role": "user", "content": [
+            {"type": "image", "image": _pic(p["image_url"]["url"])} if p["type"] == "image_url"
+            else p for p in m["content"]]}
+
+    messages = [parts(users[0]), {"role": "assistant", "content": [
+        {"type": "text", "text": replies[0]}]}, parts(users[1]), {"role": "assistant", "content": [
+            {"type": "text", "text": replies[1]}]}, {"role": "user", "content": [
+                {"type": "text", "text": "Thanks."}]}]
+    ref = proc.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                   return_dict=True, return_tensors="np")
+    ids = ref["input_ids"][0].tolist()
+    assert t.tokens[:len(ids)] == ids
+    assert t.tokens[len(ids):] == tok.encode(replies[2]) + [tok.token_to_id("<|im_end|>")]
+    assert [list(p.grid_thw) for p in patched] == ref["image_grid_thw"].tolist()
+    np.testing.assert_allclose(np.concatenate([p.pixels for p in patched]),
+                               ref["pixel_values"], atol=1e-6, rtol=0)

@@ -95,6 +95,15 @@ def _image(raw: Any, where: str, limits: ImageConfig) -> Image:
                         code="image_too_large" if e.status == 413 else "invalid_image") from None
 
 
+def _check_roles(messages: Sequence[Mapping[str, Any]]) -> None:
+    for i, m in enumerate(messages):
+        if m.get("images") and m["role"] != "user":
+            raise ChatError(400, f"messages[{i}] is a {m['role']} message with image parts; "
+                                 "images go in user messages (as in the OpenAI API): send the "
+                                 "screenshot in a user message after it", param=f"messages[{i}]",
+                            code="invalid_image")
+
+
 def _check_totals(messages: Sequence[Mapping[str, Any]], limits: ImageConfig) -> None:
     images = [im for m in messages for im in m.get("images", ())]
     if len(images) > limits.max_images:
@@ -161,7 +170,26 @@ def normalize_messages(raw: Any, images: ImageConfig | None = None) -> list[dict
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         out.append(msg)
+    _check_roles(out)
     _check_totals(out, limits)
+    return out
+
+
+def with_placeholders(messages: Sequence[Mapping[str, Any]], placeholder: str
+                      ) -> list[dict[str, Any]]:
+    """Messages as a vision-language policy's template renders them: each image's
+    `placeholder` text put into the content where its part came (`image_at`; images before
+    the text when the parts list them first, as the Qwen-VL templates render parts in order),
+    the Image objects dropped."""
+    out = []
+    for m in messages:
+        shown = {k: v for k, v in m.items() if k not in ("images", "image_at")}
+        text, cut, pieces = m["content"], 0, []
+        for at in m.get("image_at", ()):
+            pieces += [text[cut:at], placeholder]
+            cut = at
+        shown["content"] = "".join([*pieces, text[cut:]])
+        out.append(shown)
     return out
 
 
@@ -222,10 +250,6 @@ def _for_template(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 class ChatRenderer:
     """Renders requests to token ids with `template` (see the module docstring)."""
-
-    vision = False
-    """Whether the policy reads images (a vision tower); every template here is text-only, so a
-    request with image parts is refused (400, code no_vision)."""
 
     def __init__(self, template: TurnTemplate):
         self.template = template

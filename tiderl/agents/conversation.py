@@ -20,6 +20,7 @@ from tiderl.agents.chat import (
     difference,
     normalize_messages,
     normalize_tools,
+    with_placeholders,
 )
 from tiderl.agents.toolcalls import Parser, parse
 from tiderl.envs.config import ImageConfig
@@ -37,6 +38,9 @@ class Pending:
     parse_tools: bool
     logprobs: bool
     token_ids: bool
+    images: list[Any] = dataclasses.field(default_factory=list)
+    """The new messages' images patched for the vision tower (`models.vision_inputs.
+    PatchedImage`), in the order of their placeholder runs in `new_ids`."""
 
 
 @dataclasses.dataclass
@@ -54,9 +58,14 @@ class Conversation:
     """The token history of one agent task (token in, token out)."""
 
     def __init__(self, renderer: ChatRenderer, parser: Parser,
-                 images: ImageConfig | None = None):
+                 images: ImageConfig | None = None, vision: Any = None):
         self.renderer, self.parser = renderer, parser
         self.images = images or ImageConfig()
+        self.vision = vision
+        """A vision-language policy's `models.vision_inputs.ImagePrompt` (None: a text policy,
+        which refuses images)."""
+        self.patched: list[Any] = []
+        """The images of `tokens`' placeholder runs, in order (what the engine took)."""
         self.tok = renderer.tok
         self.stop_ids = renderer.template.stop_ids
         self.messages: list[dict[str, Any]] = []
@@ -76,7 +85,7 @@ class Conversation:
         msgs = normalize_messages(body.get("messages"), self.images)
         tools = normalize_tools(body.get("tools"))
         seen = next((i for i, m in enumerate(msgs) if m.get("images")), None)
-        if seen is not None and not self.renderer.vision:
+        if seen is not None and self.vision is None:
             raise ChatError(400, f"messages[{seen}] carries {len(msgs[seen]['images'])} images "
                                  "but the policy has no vision tower (a text-only model): it "
                                  "cannot read them; send text only, or train a vision-language "
@@ -86,7 +95,8 @@ class Conversation:
                                  "endpoint generates the next assistant turn; end the request "
                                  "with a user or tool message", param="messages")
         if not self.messages:
-            ids = self.renderer.prompt(msgs, tools)
+            new = msgs
+            ids = self.renderer.prompt(self._shown(msgs), tools)
         else:
             n = len(self.messages)
             if tools != self.tools:
@@ -111,14 +121,46 @@ class Conversation:
                 raise ChatError(400, "new messages include an assistant message the model did "
                                      "not write; append only user and tool messages",
                                 param="messages", code="history_mismatch")
-            ids = self.renderer.continuation(self.messages, new, tools, stopped=self.stopped)
-        return Pending(messages=msgs, tools=tools, new_ids=ids,
+            ids = self.renderer.continuation(self._shown(self.messages), self._shown(new),
+                                             tools, stopped=self.stopped)
+        ids, patched = self._with_images(ids, new, first=len(msgs) - len(new))
+        return Pending(messages=msgs, tools=tools, new_ids=ids, images=patched,
                        max_tokens=_max_tokens(body, max_action_tokens),
                        stop=_stop(body.get("stop")),
                        parse_tools=bool(tools) and body.get("tool_choice") != "none"
                        and self.parser != "none",
                        logprobs=bool(body.get("logprobs")),
                        token_ids=bool(body.get("return_token_ids")))
+
+    def _shown(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages as the template renders them (a VLM: image placeholders in the text)."""
+        return messages if self.vision is None else with_placeholders(messages,
+                                                                      self.vision.placeholder)
+
+    def _with_images(self, ids: list[int], new: list[dict[str, Any]], *, first: int
+                     ) -> tuple[list[int], list[Any]]:
+        """A VLM's rendered ids with each new image's placeholder expanded to its token count,
+        and the new images patched (earlier messages' images are in the context already)."""
+        if self.vision is None:
+            return ids, []
+        from tiderl.models.vision_inputs import patch_image
+
+        patched = []
+        for i, m in enumerate(new, first):
+            for k, im in enumerate(m.get("images", ())):
+                try:
+                    patched.append(patch_image(im, self.vision.vision, self.vision.processing))
+                except ValueError as e:
+                    raise ChatError(400, f"messages[{i}] image {k + 1}: {e}",
+                                    param=f"messages[{i}].content", code="invalid_image") from None
+        try:
+            return self.vision.expand(patched, ids), patched
+        except ValueError:
+            raise ChatError(400, f"the new messages carry {len(patched)} images but their text "
+                                 f"renders another number of image placeholders: the text holds "
+                                 f"the placeholder {self.vision.placeholder!r} of its own; send "
+                                 "images as image_url parts only", param="messages",
+                            code="invalid_image") from None
 
     # -- its turn ---------------------------------------------------------------------------------
     def reply(self, p: Pending, action_ids: Sequence[int], logprobs: Sequence[float],
@@ -127,6 +169,7 @@ class Conversation:
         if not self.messages:
             self.tools = p.tools
         self._extend(p.new_ids, 0)
+        self.patched += p.images
         prompt_len = len(self.tokens)
         action = list(action_ids)
         self.tokens += action

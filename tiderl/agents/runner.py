@@ -76,7 +76,8 @@ class EpisodeRunner:
         traj = Trajectory(task_id=ep.task.task_id, group_id=ep.task.group_id,
                           is_eval=ep.task.is_eval, tokens=[], loss_mask=[], logprobs=[],
                           versions=[], reward=0.0, end_reason=EndReason.cancelled, turns=0)
-        conv = Conversation(self.renderer, self.parser, self.cfg.images)
+        conv = Conversation(self.renderer, self.parser, self.cfg.images,
+                            vision=getattr(manager, "image_prompt", None))
         try:
             if self.agent is not None:
                 await self._agent(manager, ep, conv, traj)
@@ -86,7 +87,7 @@ class EpisodeRunner:
         finally:
             traj.tokens, traj.loss_mask = list(conv.tokens), list(conv.loss_mask)
             traj.logprobs, traj.versions = list(conv.logprobs), list(conv.versions)
-            traj.turns = conv.turns
+            traj.turns, traj.images = conv.turns, list(conv.patched)
             manager.finished(ep, traj)
 
     # -- one turn -------------------------------------------------------------------------------
@@ -105,7 +106,8 @@ class EpisodeRunner:
                         "rollout.temperature=%s (the trainer corrects for that policy)", t,
                         self.temperature)
         result = await manager.agent_turn(ep, p.new_ids, len(conv.tokens) + len(p.new_ids),
-                                          max_action_tokens=p.max_tokens)
+                                          max_action_tokens=p.max_tokens,
+                                          images=p.images or None)
         traj.prompt_tokens += result.prompt_tokens
         traj.cached_tokens += result.cached_tokens
         if result.stop_reason == StopReason.CONTEXT_LIMIT and not result.action_tokens:

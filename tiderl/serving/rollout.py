@@ -491,15 +491,18 @@ class RolloutManager:
             traj.error = traj.error or f"reward {traj.reward} is not a finite number"
 
     async def agent_turn(self, ep: _Episode, new_tokens: list[int], context: int, *,
-                         max_action_tokens: int | None = None) -> TurnResult:
+                         max_action_tokens: int | None = None,
+                         images: list[Any] | None = None) -> TurnResult:
         """One turn for an episode runner: waits until the scheduler has the task active, runs
-        it on the task's rank (`context` tokens once `new_tokens` are in), then leaves the task
-        waiting on its agent, where the scheduler may park it."""
+        it on the task's rank (`context` tokens once `new_tokens` are in, with `images`, those
+        of `new_tokens`' placeholder runs), then leaves the task waiting on its agent, where the
+        scheduler may park it."""
         tid = ep.task.task_id
         await self._active(ep)
         self.sched.update_usage(tid, context, executing=True)
         self.kick()
-        result = await self._turn(ep, new_tokens, max_action_tokens=max_action_tokens)
+        result = await self._turn(ep, new_tokens, max_action_tokens=max_action_tokens,
+                                  images=images)
         self.sched.set_executing(tid, False)
         self.kick()
         return result
