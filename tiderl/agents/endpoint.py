@@ -26,9 +26,14 @@ task (404), a second request in flight or a second reward, or a reward after the
 Images: `image_url` content parts with base64 data URLs (`data:image/png;base64,...`, PNG or
 JPEG; the endpoint fetches no URL) are decoded, checked against env.images (count, bytes, total
 bytes, pixels: 400 `image_too_large`; not an image, not a data URL: 400 `invalid_image`) and
-kept with their message; the policies here are text-only, so a request carrying images is then
-refused (400 `no_vision`). Nothing a request
-sends stops the server or another task.
+kept with their message; images go in user messages only (400 `invalid_image` elsewhere). A
+vision-language policy (the manager's `image_prompt`) reads them: each image's placeholder of
+the chat template where its part comes in the message (parts listed before the text lead it,
+as the Qwen-VL templates render parts in order), expanded to its token count, the image patched
+and handed to the engine with its turn's new tokens (`agent_turn(images=...)`); a repeated
+history's images are in the context already and never sent again, and `Trajectory.images` holds
+every image in placeholder order. A text policy refuses a request with images (400
+`no_vision`). Nothing a request sends stops the server or another task.
 
 Sampling follows the run, not the request: the behaviour policy must be the one the trainer
 corrects for, so `temperature` is the run's (rollout.temperature; evaluation's for eval tasks)
