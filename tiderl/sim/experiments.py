@@ -352,7 +352,7 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         good["tiderl"], ratios["tiderl"] = runs[f"tiderl ratio {q_t}"].summary.get(
             "goodput", math.nan), q_t
         all_runs.update({f"{model}/{k}": v for k, v in runs.items()})
-        sfx = "7b" if "7b" in model else "14b"
+        sfx = {"qwen2.5-7b": "7b", "qwen2.5-14b": "14b"}.get(model, model)
         for other in ("sync", "async", "stream"):
             out[f"tiderl_over_{other}_{sfx}"] = ratio(good["tiderl"], good[other])
         out[f"goodput_{sfx}"] = good
