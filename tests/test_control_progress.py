@@ -165,3 +165,23 @@ def test_sink_scalars_flatten_records_by_kind():
                                   "train/dropped/zero_variance": 2.0}
     assert dict(scalars({"kind": "eval", "step": 3, "eval_success": 0.5})) == {
         "eval/eval_success": 0.5}
+
+
+def test_starvation_advice_asks_for_longer_actions_only_where_a_command_is_spelled():
+    """A suite whose action is a command gets 'longer actions' when max_action_tokens is
+    short; the gui cell form and TextWorld's chat form (a number is the action) do not."""
+    from tiderl.config import RunConfig
+    from tiderl.control.progress import starvation_advice
+
+    def advice(suite, options, tokens=2):
+        cfg = RunConfig()
+        cfg = dataclasses.replace(
+            cfg, env=dataclasses.replace(cfg.env, suite=suite, options=tuple(options)),
+            rollout=dataclasses.replace(cfg.rollout, max_action_tokens=tokens))
+        return starvation_advice(cfg)
+
+    assert "longer actions" in advice("gui", ["width=320"])
+    assert "longer actions" not in advice("gui", ["grid=2x2", "actions=cell"])
+    assert "longer actions" in advice("textworld", [])
+    assert "longer actions" not in advice("textworld", ["admissible=true", "format=chat"])
+    assert "longer actions" not in advice("gui", ["width=320"], tokens=32)

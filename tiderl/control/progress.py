@@ -138,7 +138,9 @@ def starvation_advice(cfg: Any) -> str:
                     "each valid guess")
     if env.suite == "textworld":
         tips.append("a smaller world: env.options=[rooms=1,objects=1,quest_length=1]")
-    if env.suite != "default" and rollout.max_action_tokens < 16:
+    digit = (env.suite == "gui" and opts.get("actions") == "cell") or (
+        env.suite == "textworld" and opts.get("format") == "chat")  # a number is the action
+    if env.suite != "default" and not digit and rollout.max_action_tokens < 16:
         tips.append(f"longer actions: rollout.max_action_tokens={rollout.max_action_tokens} "
                     "tokens cannot spell a command")
     if not cfg.model.checkpoint and not cfg.model.init_from and env.suite != "default":
