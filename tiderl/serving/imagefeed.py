@@ -6,7 +6,8 @@ row computes (after an eviction or a flush: every image of the context again, fr
 its `Prefix` keeps on the host). The images of all rows go into one patch batch, an image
 shared by several rows (a GRPO group's prompt) once, padded to a patch-count bucket
 (`patch_bucket`: powers of two and 1.5× powers of two, at least 256 patches), so the encoder
-compiles once per bucket used. Its merged features stay on the device; each prefill chunk then
+compiles once per bucket and attention band used (`ImageInput.band_l`: a power of two bounding
+the call's largest image). Its merged features stay on the device; each prefill chunk then
 gathers its placeholder tokens' rows from them (`ImageFeatures.chunk`: a chunk may hold part of
 an image, or images of several rows) into the chunk's input embeddings (`make_mm_inputs`, also
 one trace per shape), and gets its [B, T, 3] M-RoPE positions. A chunk without placeholders
@@ -44,11 +45,12 @@ def patch_bucket(n: int, multiple: int) -> int:
 @functools.lru_cache(maxsize=8)
 def make_encoder(graphdef: nnx.GraphDef):
     """Jitted vision tower: params, ImageInput -> (merged features [N/m², D], deepstack
-    features), in compute dtype; `trace_counts` per padded patch count."""
+    features), in compute dtype; `trace_counts` per (padded patch count, attention band)."""
     trace_counts: collections.Counter = collections.Counter()
 
     def encode(params, images):
-        trace_counts[("encode", images.patches_nf.shape[0])] += 1
+        band = 0 if images.band_l is None else images.band_l.shape[0]
+        trace_counts[("encode", images.patches_nf.shape[0], band)] += 1
         return nnx.merge(graphdef, params).image_features(images)
 
     jitted = jax.jit(encode)
