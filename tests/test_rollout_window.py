@@ -321,6 +321,30 @@ def test_window_settings_are_checked():
     assert ImageWindow(0, 5).window == 0
 
 
+def _started(tmp_path, *, seed, n_pics):
+    """A transcript begun with the first of `n_pics` random 24x16 pictures (the task's first
+    screenshot) and its trajectory holding that image: (tok, tmpl, prompt, pics, transcript,
+    first prompt length, trajectory)."""
+    import functools
+
+    import PIL.Image
+
+    from tiderl.envs.protocol import EndReason
+    from tiderl.envs.templates import Transcript
+    from tiderl.serving.rollout import Trajectory
+
+    tok, tmpl, prompt = _setup(tmp_path)
+    rng = np.random.default_rng(seed)
+    pics = [PIL.Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
+            for _ in range(n_pics)]
+    text, ims = prompt.observation("find the file", pics[:1])
+    tr = Transcript.start(tmpl, text, system=SYSTEM, expand=functools.partial(prompt.expand, ims))
+    traj = Trajectory(task_id="t", group_id="g", is_eval=False, tokens=[], loss_mask=[],
+                      logprobs=[], versions=[], reward=0.0, end_reason=EndReason.done, turns=0)
+    traj.images += ims
+    return tok, tmpl, prompt, pics, tr, len(tr), traj
+
+
 def test_a_cut_after_actions_ended_at_the_action_limit_and_a_continuation_that_samples_nothing(
         tmp_path):
     """Actions that ended at the action limit (no stop token: the next observation opens with
@@ -330,23 +354,9 @@ def test_a_cut_after_actions_ended_at_the_action_limit_and_a_continuation_that_s
     the cut segment the last part again."""
     import functools
 
-    import PIL.Image
-
-    from tiderl.envs.protocol import EndReason
-    from tiderl.envs.templates import Transcript
-    from tiderl.serving.rollout import Trajectory
     from tiderl.serving.rollout_window import ImageWindow, task_head
 
-    tok, tmpl, prompt = _setup(tmp_path)
-    rng = np.random.default_rng(3)
-    pics = [PIL.Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
-            for _ in range(3)]
-    text, ims = prompt.observation("find the file", pics[:1])
-    tr = Transcript.start(tmpl, text, system=SYSTEM, expand=functools.partial(prompt.expand, ims))
-    first_len = len(tr)
-    traj = Trajectory(task_id="t", group_id="g", is_eval=False, tokens=[], loss_mask=[],
-                      logprobs=[], versions=[], reward=0.0, end_reason=EndReason.done, turns=0)
-    traj.images += ims
+    tok, tmpl, prompt, pics, tr, first_len, traj = _started(tmp_path, seed=3, n_pics=3)
     obs = []
     for k in (1, 2, 3):
         at = len(tr)
@@ -432,23 +442,9 @@ def test_an_observations_images_stay_together_in_the_continuation(tmp_path):
     whole observation (its user turn), never between its images."""
     import functools
 
-    import PIL.Image
-
-    from tiderl.envs.protocol import EndReason
-    from tiderl.envs.templates import Transcript
-    from tiderl.serving.rollout import Trajectory
     from tiderl.serving.rollout_window import ImageWindow, task_head
 
-    tok, tmpl, prompt = _setup(tmp_path)
-    rng = np.random.default_rng(4)
-    pics = [PIL.Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
-            for _ in range(5)]
-    text, ims = prompt.observation("find the file", pics[:1])
-    tr = Transcript.start(tmpl, text, system=SYSTEM, expand=functools.partial(prompt.expand, ims))
-    first_len = len(tr)
-    traj = Trajectory(task_id="t", group_id="g", is_eval=False, tokens=[], loss_mask=[],
-                      logprobs=[], versions=[], reward=0.0, end_reason=EndReason.done, turns=0)
-    traj.images += ims
+    tok, tmpl, prompt, pics, tr, first_len, traj = _started(tmp_path, seed=4, n_pics=5)
     starts = []
     for k, shown in ((1, pics[1:3]), (2, pics[3:5])):
         tr.add_action(tok.encode(f"click {k}") + [tok.token_to_id("<|im_end|>")])
