@@ -176,38 +176,52 @@ class SimEngine:
             max_action_tokens=max_action_tokens)])[0]
 
     def prefill_many(self, params, requests: Sequence[PrefillRequest]) -> list[Prefix]:
-        handles, news = [], []
+        handles, sized = [], []
         for r in requests:
-            new = list(r.tokens)[: r.true_length]
-            if len(new) != r.true_length:
-                raise ValueError(f"true_length={r.true_length} exceeds len(tokens)={len(new)}")
+            n_new = r.true_length
+            if not 0 <= n_new <= len(r.tokens):
+                raise ValueError(f"true_length={n_new} exceeds "
+                                 f"len(tokens)={len(list(r.tokens)[:n_new])}")
             h = r.existing_prefix
             if h is None:
                 if r.task_id is None:
                     raise ValueError("prefill of a new task needs task_id= (it keys sampling)")
                 h = Prefix(task_id=int(r.task_id), max_action_tokens=self.max_action_tokens)
-            if not new and h.done:
+            if not n_new and h.done:
                 raise ValueError(f"task {h.task_id}: its action already ended "
                                  f"({h.stop_reason.name}); append the next observation")
-            if not new and not h.tokens:
+            if not n_new and not h.tokens:
                 raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
             if r.max_action_tokens is not None:
                 h.max_action_tokens = r.max_action_tokens
             if r.temperature is not None:
                 h.temperature = r.temperature
             handles.append(h)
-            news.append(new)
-        rows = []  # (handle, new tokens, start, end, tokens taken from a sibling)
-        follow = []  # (handle, new tokens, end): whole context at a sibling, nothing computed
-        leaders: dict[tuple[int, ...], Prefix] = {}
-        firsts: list[tuple[int, ...]] = []
-        for r, h, new in zip(requests, handles, news, strict=True):
-            end = len(h.tokens) + len(new)
+            sized.append((r, h, n_new))
+        live = []  # (request, handle, end) of the rows that fit the context
+        for r, h, n_new in sized:
+            end = len(h.tokens) + n_new
             if end + 1 > self.max_context:
                 h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
                 continue
             if h.slot is not None and h.kv_length and h.kv_version != self.version:
                 self._drop_kv(h, "version")
+            live.append((r, h, end))
+        # Pages and slots depend only on each row's end (a row served by a sibling still
+        # holds its whole context), so capacity is checked before the new tokens are copied
+        # and the sharing below compares whole contexts: a full pool (the rank then evicts one
+        # task and retries) costs a pass over the rows. A stale sibling is skipped by
+        # `best_source` whether or not its KV was dropped yet, so dropping them all first
+        # changes no source.
+        self._check_capacity([(h, end) for _, h, end in live])
+        rows = []  # (handle, new tokens, start, end, tokens taken from a sibling)
+        follow = []  # (handle, new tokens, end): whole context at a sibling, nothing computed
+        leaders: dict[tuple[int, ...], Prefix] = {}
+        firsts: list[tuple[int, ...]] = []
+        for r, h, end in live:
+            tokens = r.tokens
+            new = tokens[:r.true_length] if type(tokens) is list else list(tokens)[
+                :r.true_length]
             start, taken = min(h.kv_length, end - 1), 0
             if r.share is not None and not h.kv_length:
                 # The real engine's sibling sharing (tiderl.serving.share): the same context
@@ -226,7 +240,6 @@ class SimEngine:
                 if not h.tokens:
                     firsts.append(ctx)
             rows.append((h, new, start, end, taken))
-        self._check_capacity([*rows, *((h, new, end, end, 0) for h, new, end in follow)])
         for h, _, _start, end, _ in rows:
             if h.slot is None:
                 self._open(h)
@@ -280,14 +293,22 @@ class SimEngine:
         self._sample(h, 1)
         h.decoding = False
 
-    def _check_capacity(self, rows) -> None:
-        new_slots = sum(h.slot is None for h, *_ in rows)
+    def _check_capacity(self, rows: Sequence[tuple[Prefix, int]]) -> None:
+        """Raises PoolExhaustedError, changing nothing, unless every (handle, end) of `rows`
+        can hold its context up to `end`: a slot for each handle without one, and pages."""
+        pages, ps = self._pages, self.page_size
+        new_slots = need = 0
+        for h, end in rows:
+            slot = h.slot
+            if slot is None:
+                new_slots += 1
+                need += -(-end // ps)
+            else:
+                need += -(-end // ps) - pages[slot]
         if self.max_slots is not None and len(self.slots) + new_slots > self.max_slots:
             raise PoolExhaustedError(
                 f"no free slot: {new_slots} new tasks but {self.max_slots - len(self.slots)} "
                 f"of max_slots={self.max_slots} free")
-        need = sum(self._pages_for(end) - (self._pages[h.slot] if h.slot is not None else 0)
-                   for h, _, _, end, *_ in rows)
         if need > self.pages_free:
             raise PoolExhaustedError(f"KV page pool exhausted: prefill needs {need} pages, "
                                      f"{self.pages_free} free of {self.num_pages}")
