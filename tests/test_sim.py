@@ -197,6 +197,35 @@ def test_sim_engine_evicted_sibling_computes_only_its_own_tokens():
         assert k.prefill_computed == 1 and k.prefill_cached == a.kv_length - 1
 
 
+def test_sim_engine_refuses_a_shared_batch_that_does_not_fit_whole():
+    """A row served by a sibling still holds its whole context: a batch of identical
+    prompts that does not fit the pool raises before anything is shared or counted, and the
+    same batch then runs as it would have on a pool with room."""
+    import dataclasses
+
+    from tiderl.serving.pages import PoolExhaustedError, PrefillRequest
+    from tiderl.sim.virtual_engine import SimEngine
+
+    prompt = list(range(5, 18))  # 13 tokens: 4 pages of 4 per sibling
+
+    def batch(hs: list) -> list:
+        return [PrefillRequest(None, prompt, len(prompt), task_id=1 + i, share=hs)
+                for i in range(2)]
+
+    full = SimEngine(num_pages=7, page_size=4, max_slots=4, max_context=128)
+    counters = dataclasses.replace(full.counters)
+    with pytest.raises(PoolExhaustedError, match="needs 8 pages, 7 free"):
+        full.prefill_many(None, batch([]))
+    assert full.counters == counters and full.pages_free == 7 and not full.slots
+    with pytest.raises(ValueError, match="true_length=14 exceeds len.tokens.=13"):
+        full.prefill_many(None, [PrefillRequest(None, prompt, 14, task_id=1)])
+    roomy = SimEngine(num_pages=8, page_size=4, max_slots=4, max_context=128)
+    a = roomy.prefill_many(None, batch([]))
+    assert roomy.pages_free == 0 and roomy.counters.prompt_tokens_shared == len(prompt)
+    assert [h.tokens for h in a] == [h.tokens for h in SimEngine(
+        num_pages=64, page_size=4, max_slots=4, max_context=128).prefill_many(None, batch([]))]
+
+
 # -- the simulated trainer against the production RA2P cost model ----------------------------
 def _ready_step(trainer, mbs):
     from tiderl.sim.clock import run_virtual
