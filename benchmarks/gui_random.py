@@ -2,9 +2,9 @@
 the success a learning run must beat, on held-out tasks, played through the real adapter.
 
     python benchmarks/gui_random.py [--episodes 500] [--grids 2x2,3x3] [--icons 2,3,4]
-                                    [--slacks default,0] [--turns 1]
+                                    [--slacks default,0] [--turns 1] [--screen 320x200]
 
-Each setting is `width=320 height=200 grid=G icons=I actions=cell min_turns=T max_turns=T`
+Each setting is `width=W height=H grid=G icons=I actions=cell min_turns=T max_turns=T`
 plus `slack=S` (S=default leaves the suite's budget, 2 * oracle_turns + 2). Its episodes are
 the eval split's tasks (tiderl.envs.tasks.TaskSource("gui", "eval"), group_size 1: held-out
 seeds task_seed + 2g + 1, one task each), every policy playing the same tasks to the end of
@@ -40,8 +40,10 @@ from tiderl.envs.tasks import TaskSource  # noqa: E402
 POLICIES = ("random_cell", "random_click", "random_icon", "random_bytes", "oracle")
 
 
-def options(grid: str, icons: int, slack: str, turns: int) -> dict[str, str]:
-    o = {"width": "320", "height": "200", "grid": grid, "icons": str(icons), "actions": "cell",
+def options(grid: str, icons: int, slack: str, turns: int,
+            screen: str = "320x200") -> dict[str, str]:
+    width, height = screen.lower().split("x")
+    o = {"width": width, "height": height, "grid": grid, "icons": str(icons), "actions": "cell",
          "min_turns": str(turns), "max_turns": str(turns)}
     if slack != "default":
         o["slack"] = slack
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--slacks", default="default,0")
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--task-seed", type=int, default=0)
+    ap.add_argument("--screen", default="320x200", help="WIDTHxHEIGHT of the screen")
     args = ap.parse_args()
     source = TaskSource("gui", "eval", groups=args.episodes, group_size=1,
                         task_seed=args.task_seed)
@@ -86,7 +89,7 @@ def main() -> None:
     for grid in args.grids.split(","):
         for icons in map(int, args.icons.split(",")):
             for slack in args.slacks.split(","):
-                opts = options(grid, icons, slack, args.turns)
+                opts = options(grid, icons, slack, args.turns, args.screen)
                 adapter = GuiDesktop(opts)
                 name = " ".join(f"{k}={v}" for k, v in opts.items())
                 t0 = time.perf_counter()
