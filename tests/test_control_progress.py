@@ -185,3 +185,37 @@ def test_starvation_advice_asks_for_longer_actions_only_where_a_command_is_spell
     assert "longer actions" in advice("textworld", [])
     assert "longer actions" not in advice("textworld", ["admissible=true", "format=chat"])
     assert "longer actions" not in advice("gui", ["width=320"], tokens=32)
+
+
+def test_groups_dropped_because_every_sibling_solved_them_are_not_called_failures(caplog):
+    """A run that has learned its tasks drops groups too (all siblings score 1.0): the warning
+    says the policy solves them, and drops the run's advice for a policy that fails them."""
+    from types import SimpleNamespace
+
+    from tiderl.control.starvation import Starvation
+
+    cfg = ControllerConfig(warn_dropped_in_a_row=3, max_dropped_in_a_row=0)
+    group = [SimpleNamespace(reward=r, ok=True) for r in (1.0,) * 4]
+    failed = [SimpleNamespace(reward=r, ok=True) for r in (0.1,) * 4]
+
+    def warning(groups):
+        caplog.clear()
+        s = Starvation(cfg, advice="a pretrained policy: one trained from scratch rarely scores")
+        for g in groups:
+            s.group_ended(g, False, 1.0)
+        s.check(now=2.0, step=7, in_a_row=len(groups), dropped={"zero_variance": len(groups)},
+                in_flight=0, episodes=0, before_warning=lambda: None)
+        (msg,) = [r.getMessage() for r in caplog.records if "could not be trained" in
+                  r.getMessage()]
+        return msg
+
+    solved = warning([group] * 3)
+    assert "3 of the 3 groups dropped in a row were solved by every sibling" in solved
+    assert "rarely scores" not in solved and "dropped in a row: 1.00" in solved
+    mixed = warning([group, failed, failed])
+    assert "1 of the 3 groups" in mixed and "rarely scores" in mixed
+    assert "solved by every sibling" not in warning([failed] * 3)
+    s = Starvation(cfg)
+    s.group_ended(group, False, 1.0)
+    s.group_ended(group, True, 1.5)  # a trainable group ends the row
+    assert (s.row_solved, s.row_dropped) == (0, 0)

@@ -1,7 +1,9 @@
 """Starvation: groups keep ending but none becomes trainable, or none ends at all. No JAX.
 
 An untrained policy on a hard task scores alike on every sibling (zero reward variance: GRPO
-has no signal), or its env fails every task; the trainer then waits for data forever. The
+has no signal), or its env fails every task; the trainer then waits for data forever. A policy
+that has learned its tasks does the same from the other end (every sibling solves them): the
+warning then says so instead of blaming the policy. The
 controller reports each finished group here and asks `check` whenever it wakes while waiting:
 
 - groups dropped in a row ≥ `controller.warn_dropped_in_a_row`: a warning saying what the drops
@@ -22,6 +24,9 @@ from typing import Any
 
 log = logging.getLogger("tiderl.control.controller")
 
+SOLVED = 1.0
+"""The reward of a solved task (what the built-in suites pay a success)."""
+
 
 class Starved(Exception):
     """A starvation hard limit passed while the trainer waited for data (one-line reason)."""
@@ -37,6 +42,10 @@ class Starvation:
         self.wait_t0 = 0.0
         self.row_rewards: set[float] = set()
         """Mean rewards of the groups dropped in a row (a few: 0.00 says "too hard")."""
+        self.row_solved = 0
+        self.row_dropped = 0
+        """Of the groups dropped in a row: how many, and how many every sibling solved
+        (reward ≥ SOLVED: the policy has learned those tasks, it is not failing them)."""
         self._warn_at = 0
         self._warned_t = -math.inf
         self._warn_s_at = 0.0
@@ -47,7 +56,12 @@ class Starvation:
         if trainable:
             self.last_trainable = now
             self.row_rewards.clear()
-        elif len(self.row_rewards) < 4 and (ok := [t.reward for t in trajs if t.ok]):
+            self.row_solved = self.row_dropped = 0
+            return
+        ok = [t.reward for t in trajs if t.ok]
+        self.row_dropped += 1
+        self.row_solved += bool(ok) and min(ok) >= SOLVED
+        if len(self.row_rewards) < 4 and ok:
             self.row_rewards.add(round(sum(ok) / len(ok), 2))
 
     def begin_wait(self, now: float) -> None:
@@ -134,6 +148,10 @@ class Starvation:
         elif total and ends.get("turn_limit", 0) > total / 2:
             tips.append(f"{ends['turn_limit']} of {total} episodes ran out of turns: raise "
                         "env.max_turns")
-        if self.advice:
+        if self.row_solved:
+            tips.append(f"{self.row_solved} of the {self.row_dropped} groups dropped in a row "
+                        "were solved by every sibling: the policy has learned those tasks, so "
+                        "harder ones (env.options) give GRPO signal again, or the run can stop")
+        if self.advice and self.row_solved < self.row_dropped:
             tips.append(self.advice)
         return f" Try: {'; '.join(tips)}." if tips else ""
