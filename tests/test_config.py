@@ -117,3 +117,15 @@ def test_wide_bf16_preset_is_the_default_run_with_a_wider_policy():
     assert cfg.env == base.env and cfg.rollout == base.rollout
     assert dataclasses.replace(cfg.trainer, lr=base.trainer.lr) == base.trainer
     assert cfg.controller.steps == 100 and cfg.controller.eval_every == 25
+
+
+def test_a_vision_language_policy_on_several_processes_is_refused_at_config_time():
+    """Images do not cross processes yet: a VLM run on --num-processes 2 is refused before
+    any process joins a world (each turn and step would otherwise refuse its images)."""
+    path = str(CONFIG_DIR / "vlm-smoke.yaml")
+    with pytest.raises(ConfigError, match=r"config key 'model.vision' on 2 processes: images do "
+                                          r"not cross processes yet.*distributed.coordinator"):
+        load_config(path, ["distributed.coordinator=127.0.0.1:8476",
+                           "distributed.num_processes=2", "distributed.process_id=0"])
+    assert load_config(path, ["distributed.coordinator=127.0.0.1:8476",
+                              "distributed.num_processes=1", "distributed.process_id=0"])

@@ -30,6 +30,10 @@ from tiderl.serving.config import RolloutConfig
 from tiderl.train.config import TrainerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+VISION_PROCESSES = (
+    "config key 'model.vision' on {n} processes: images do not cross processes yet (neither to "
+    "rollout ranks on other hosts nor into the multi-process trainer); run a vision-language "
+    "policy in one process (distributed.coordinator='')")
 
 
 # The embedded default: the default task (guess 1..8 in three guesses) learned from scratch by
@@ -122,6 +126,8 @@ class RunConfig:
                 "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
+        if self.model.vision is not None and self.distributed.num_processes > 1:
+            raise ConfigError(VISION_PROCESSES.format(n=self.distributed.num_processes))
 
     def _fit_action_chars(self) -> None:
         """env.max_action_chars against rollout.max_action_tokens: derived when 0 (at least

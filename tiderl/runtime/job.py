@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiderl.agents.runner import episode_backend
-from tiderl.config import RunConfig
+from tiderl.config import VISION_PROCESSES, RunConfig
 from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
@@ -162,6 +162,10 @@ class _Job:
 
     def build(self, resume: bool, overrides: list[str] | tuple[str, ...]) -> None:
         cfg = self.cfg
+        if cfg.model.vision is not None and self.site.world.size > 1:
+            # The config refuses it when --num-processes says so; coordinator=auto learns the
+            # count only here. Later every turn and step would refuse the images one by one.
+            raise ConfigError(VISION_PROCESSES.format(n=self.site.world.size))
         self.t0 = time.monotonic()
         self.meshes, graphdef, params = build_policy(cfg, self.devices, self.plan)
         log.info("starting: %s × %d devices, policy built (%.1fs)", self.devices[0].platform,
