@@ -40,19 +40,21 @@ def _leaves(tree):
 def test_frozen_tower_gets_no_update_and_no_optimizer_state(mesh):
     """train_vision=false: the tower's params are bit-identical after a step with weight decay
     and its leaves have no AdamW moments; with train_vision=true weight decay alone moves them
-    (text-only batches: zero gradient), so the check can fail."""
+    (text-only batches: zero gradient), so the check can fail; `trainer.vision_lr_scale`
+    scales that move."""
     cfg = TrainerConfig(actor_devices=4, kl_coef=0.0, weight_decay=0.1, lr=1e-2)
     trajs = synthetic_trajectories(8, vocab=IMAGE, min_len=6, max_len=20, seed=0)
     mbs = microbatches(trajs, n_ranks=2, row_len=64, rows_per_rank=2)[0]
     moved = {}
-    for train_vision in (True, False):
+    for train_vision, scale in ((True, 1.0), (False, 1.0), (True, 0.01)):
         model = dataclasses.replace(VLM, train_vision=train_vision)
         policy = init_policy(model, seed=0)
         before = _leaves(policy[1]["visual"])
-        be = TrainerBackend(cfg, model, actor_mesh=mesh, policy=policy)
+        be = TrainerBackend(dataclasses.replace(cfg, vision_lr_scale=scale), model,
+                            actor_mesh=mesh, policy=policy)
         be.train_step(mbs)
         after = be.state["params"]
-        moved[train_vision] = max(float(np.abs(a - b).max())
+        moved[train_vision, scale] = max(float(np.abs(a - b).max())
                                   for a, b in zip(_leaves(after["visual"]), before, strict=True))
         lm = max(float(np.abs(a - b).max()) for a, b in
                  zip(_leaves(after["layers"]), _leaves(policy[1]["layers"]), strict=True))
@@ -63,7 +65,9 @@ def test_frozen_tower_gets_no_update_and_no_optimizer_state(mesh):
         # AdamW keeps mu and nu per trained leaf; a frozen leaf has none.
         assert len(moments) == 2 * (n_params - (0 if train_vision else n_visual))
         be.close()
-    assert moved[False] == 0.0 and moved[True] > 0.0
+    assert moved[False, 1.0] == 0.0 and moved[True, 1.0] > 0.0
+    # A 1e-5 move read off fp32 params (|p| up to ~0.1, spacing ~7e-9): 1e-2 relative.
+    np.testing.assert_allclose(moved[True, 0.01], 0.01 * moved[True, 1.0], rtol=1e-2)
 
 
 def test_optimizer_mask_leaves_named_params_alone():
@@ -77,6 +81,32 @@ def test_optimizer_mask_leaves_named_params_alone():
     new = optax.apply_updates(params, updates)
     assert np.array_equal(new["visual"]["w"], params["visual"]["w"])
     assert not np.allclose(new["embed"], params["embed"])
+
+
+def test_the_towers_learning_rate_scale_scales_its_whole_adamw_update():
+    """`trainer.vision_lr_scale`: the tower's AdamW step (weight decay included) is the
+    decoder's times the scale, for the same gradients; the clip stays global."""
+    from tiderl.config import load_config
+    from tiderl.configlib import ConfigError
+    from tiderl.train.ref_actor import frozen_labels, make_optimizer
+
+    params = {"visual": {"w": np.full(3, 2.0, np.float32)}, "embed": np.full(3, 2.0, np.float32)}
+    assert frozen_labels(params, (), {"visual": 0.1}) == {"visual": {"w": "scaled:visual"},
+                                                         "embed": "train"}
+    cfg = TrainerConfig(weight_decay=0.5, lr=0.1, grad_clip=0.0)
+    tx = make_optimizer(cfg, (), (("visual", 0.01),))
+    grads = {"visual": {"w": np.asarray([1.0, -2.0, 3.0], np.float32)},
+             "embed": np.asarray([1.0, -2.0, 3.0], np.float32)}
+    state = tx.init(params)
+    for _ in range(3):  # the params held equal, so weight decay reads the same values in both
+        updates, state = tx.update(grads, state, params)
+        np.testing.assert_allclose(updates["visual"]["w"], 0.01 * updates["embed"], rtol=1e-6)
+        assert np.abs(updates["embed"]).min() > 0
+    with pytest.raises(ConfigError, match=r"trainer.vision_lr_scale'=0.1 scales a trained "
+                                          r"vision tower's learning rate, and this run trains"):
+        load_config(None, ["trainer.vision_lr_scale=0.1"])
+    with pytest.raises(ConfigError, match="trainer.vision_lr_scale' must be positive"):
+        TrainerConfig(vision_lr_scale=0.0)
 
 
 PATCH_F = 3 * 2 * 2 * 2  # channels · temporal patch · patch²

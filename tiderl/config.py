@@ -126,6 +126,13 @@ class RunConfig:
                 "config key 'controller.system_prompt' is set, but the byte tokenizer's turn "
                 "template has no system role; set controller.system_prompt='' or use a "
                 "model.tokenizer whose template has one (ChatML, Llama 3)")
+        if self.trainer.vision_lr_scale != 1.0 and (
+                self.model.vision is None or not self.model.train_vision or self.trainer.lora_rank):
+            raise ConfigError(
+                f"config key 'trainer.vision_lr_scale'={self.trainer.vision_lr_scale} scales a "
+                "trained vision tower's learning rate, and this run trains none (model.vision "
+                "unset, model.train_vision=false, or LoRA, which adapts the language model "
+                "only); remove it")
         if self.model.vision is not None and self.distributed.num_processes > 1:
             raise ConfigError(VISION_PROCESSES.format(n=self.distributed.num_processes))
 

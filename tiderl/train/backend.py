@@ -220,15 +220,15 @@ class TrainerBackend:
             self.ref_mesh = ref_mesh
         self.mode: Literal["decoupled", "colocated"] = (
             "colocated" if self.ref_mesh is actor_mesh else "decoupled")
-        frozen = self.frozen_params()
+        frozen, scaled = self.frozen_params(), self.scaled_params()
         key = (self.graphdef, self.spec, _opt_key(self.cfg), self.temperature, actor_mesh,
                self.ref_mesh, self.cfg.head_chunk, self.cfg.remat, self.cfg.token_chunk,
-               self.cfg.remat_group, self.lora, frozen)
+               self.cfg.remat_group, self.lora, frozen, scaled)
 
         def build() -> tuple:
             # One compiled set per (model, loss, optimizer, meshes): backends built for other
             # modes of the same job (VS/VSO/CM, tests) share the compilation.
-            tx = make_optimizer(self.cfg, frozen)
+            tx = make_optimizer(self.cfg, frozen, scaled)
             sh = train_shardings(self._abstract, tx, actor_mesh, self._frozen_abstract)
             ref_sh = state_shardings(self._abstract if self._frozen_abstract is None
                                      else self._frozen_abstract, self.ref_mesh)
@@ -249,6 +249,14 @@ class TrainerBackend:
         m = self.model_cfg
         if self.lora is None and m.vision is not None and not m.train_vision:
             return ("visual",)
+        return ()
+
+    def scaled_params(self) -> tuple[tuple[str, float], ...]:
+        """Top-level params at a learning rate of their own: a trained vision tower under
+        `trainer.vision_lr_scale` != 1."""
+        m, scale = self.model_cfg, self.cfg.vision_lr_scale
+        if self.lora is None and m.vision is not None and m.train_vision and scale != 1.0:
+            return (("visual", scale),)
         return ()
 
     def _decide_offload(self) -> bool:

@@ -41,6 +41,11 @@ class TrainerConfig:
     adam_b1: float = 0.9
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
+    vision_lr_scale: float = 1.0
+    """A vision-language policy's tower learns at lr × this (with model.train_vision). Adam
+    moves every weight by about the learning rate, and the patch embedding sums C·tp·p² inputs
+    (1,536 for 16-pixel patches), so at the decoder's rate a tower trained from scratch turns
+    every patch's feature the same way within a few updates; 1e-3 kept them apart."""
 
     # --- GRPO loss (train/grpo.py) ---
     adv_eps: float = 1e-6
@@ -190,8 +195,10 @@ class TrainerConfig:
                 f"{self.model_parallel} must divide trainer.actor_devices={self.actor_devices}; "
                 "change one of them"
             )
-        if self.lr <= 0:
-            raise ConfigError(f"config key 'trainer.lr' must be positive, got {self.lr}")
+        for name in ("lr", "vision_lr_scale"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config key 'trainer.{name}' must be positive, got "
+                                  f"{getattr(self, name)}")
         for name in ("weight_decay", "grad_clip", "warmup_steps", "adv_eps", "kl_coef",
                      "entropy_coef", "entropy_max", "colocate_slack"):
             if getattr(self, name) < 0:

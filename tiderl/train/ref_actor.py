@@ -74,30 +74,43 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def make_optimizer(cfg: TrainerConfig, frozen: tuple[str, ...] = ()
-                   ) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainerConfig, frozen: tuple[str, ...] = (),
+                   scaled: tuple[tuple[str, float], ...] = ()) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW under a warmup + constant/cosine schedule.
 
     `frozen`: top-level parameter names (e.g. "visual", a frozen vision tower) that get no
     update at all and no optimizer state: AdamW's weight decay would otherwise shrink them
-    even with a zero gradient."""
+    even with a zero gradient. `scaled`: (top-level name, factor) pairs whose AdamW runs at the
+    schedule × factor (`trainer.vision_lr_scale`); the clip stays global."""
     parts = [clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-    adamw = optax.adamw(make_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2,
-                        eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    if frozen:
-        adamw = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()},
-                                      lambda params: frozen_labels(params, frozen))
-    parts.append(adamw)
+    schedule = make_schedule(cfg)
+
+    def adamw(factor: float = 1.0) -> optax.GradientTransformation:
+        lr = schedule if factor == 1.0 else (lambda step: factor * schedule(step))
+        return optax.adamw(lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                           weight_decay=cfg.weight_decay)
+
+    if frozen or scaled:
+        groups = {"train": adamw(), "frozen": optax.set_to_zero(),
+                  **{f"scaled:{name}": adamw(f) for name, f in scaled}}
+        parts.append(optax.multi_transform(
+            groups, lambda params: frozen_labels(params, frozen, dict(scaled))))
+    else:
+        parts.append(adamw())
     return optax.chain(*parts)
 
 
-def frozen_labels(params: Any, frozen: tuple[str, ...]) -> Any:
-    """"frozen" on every leaf under a top-level name in `frozen`, "train" elsewhere."""
+def frozen_labels(params: Any, frozen: tuple[str, ...],
+                  scaled: dict[str, float] | None = None) -> Any:
+    """"frozen" on every leaf under a top-level name in `frozen`, "scaled:NAME" under one in
+    `scaled`, "train" elsewhere."""
 
     def label(path: tuple, _: Any) -> str:
         top = path[0]
         name = getattr(top, "key", getattr(top, "name", None))
-        return "frozen" if name in frozen else "train"
+        if name in frozen:
+            return "frozen"
+        return f"scaled:{name}" if scaled and name in scaled else "train"
 
     return jax.tree_util.tree_map_with_path(label, params)
 
