@@ -416,6 +416,18 @@ def test_slack_sets_the_turn_budget():
     assert a.budget == a.oracle_turns + 1
 
 
+def test_prompt_task_keeps_the_task_line_alone_and_the_same_screen():
+    full, short = GuiDesktop(CELL), GuiDesktop({**CELL, "prompt": "task"})
+    for seed in range(5):
+        said, brief = full.reset({"seed": seed}), short.reset({"seed": seed})
+        assert brief.text == said.text.split("\n")[0] and brief.text.startswith("Task: open ")
+        assert "Reply with one digit" in said.text and "\n" not in brief.text
+        assert brief.images[0].data == said.images[0].data
+        assert short.oracle_action() == full.oracle_action()
+    with pytest.raises(TaskError, match="suite option prompt='short' must be 'full' or 'task'"):
+        GuiDesktop({**CELL, "prompt": "short"})
+
+
 def test_colors_app_gives_each_app_its_colour_and_keeps_the_layout():
     mine, fixed = GuiDesktop(CELL), GuiDesktop({**CELL, "colors": "app"})
     colour = {}

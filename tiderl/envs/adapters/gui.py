@@ -38,6 +38,10 @@ and, for a policy trained from scratch with the byte tokenizer (none changes a d
                     default suite does, plus the partial reward (capped at 0.99); a success
                     pays 1.0, and only a success counts
     colors=app      each app always drawn in its own colour (default random per desk)
+    prompt=task     the first observation's text is the task line alone ("Task: open Notes."),
+                    without the screen size, the turn budget and the reply format (default
+                    full): a from-scratch policy reads no English, and every text token shares
+                    its answer's attention with the screenshot's
 
 A window is modal and, on a 320x200 screen, 312 px wide: it covers nearly every cell, and a
 cell reply then clicks whatever of the window is under that cell's centre (over 300 seeds,
@@ -194,7 +198,8 @@ class GuiDesktop(Adapter):
 
     blocking = True  # rendering and PNG encoding (~10 ms a screen) run in worker threads
     client_options = frozenset({"width", "height", "icons", "min_turns", "max_turns", "partial",
-                                "grid", "actions", "format_bonus", "slack", "colors"})
+                                "grid", "actions", "format_bonus", "slack", "colors",
+                                "prompt"})
 
     def __init__(self, options: Mapping[str, str] | None = None):
         super().__init__(options)
@@ -219,6 +224,9 @@ class GuiDesktop(Adapter):
         if self.app_colors not in ("random", "app"):
             raise TaskError(f"suite option colors={self.app_colors!r} must be 'random' or 'app'")
         self.format_bonus = _float_option(o, "format_bonus", 0.0, 1.0)
+        self.prompt = o.get("prompt", "full")
+        if self.prompt not in ("full", "task"):
+            raise TaskError(f"suite option prompt={self.prompt!r} must be 'full' or 'task'")
         self.start_latency_s = _float_option(o, "start_latency_s", 0.0, 600.0, closed=True,
                                              unit=" of seconds")
         self.start_delay_s = self.start_latency_s  # the server waits it out before reset
@@ -251,9 +259,10 @@ class GuiDesktop(Adapter):
                        else self.oracle_turns + self.slack)
         fmt = (FORMAT if self.actions == "click" else
                FORMAT_CELL.format(n=self.cells, cols=self.grid[0], rows=self.grid[1]))
-        text = (f"Task: {'; then '.join(describe(g) for g in self.goals)}.\n"
-                f"Screen {self.width}x{self.height}, {self.budget} "
-                f"turn{'s' if self.budget != 1 else ''}. {fmt}")
+        text = f"Task: {'; then '.join(describe(g) for g in self.goals)}."
+        if self.prompt == "full":
+            text += (f"\nScreen {self.width}x{self.height}, {self.budget} "
+                     f"turn{'s' if self.budget != 1 else ''}. {fmt}")
         return Observation(text, [png(self.desk.render())])
 
     def step(self, action: str) -> Step:
