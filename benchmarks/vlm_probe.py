@@ -106,17 +106,34 @@ def main() -> None:
 
     predict = nnx.jit(answer_logits)
     test = batch(range(HELD_OUT, HELD_OUT + 256))
-    rng, acc, t0 = np.random.default_rng(cfg.seed), {}, time.perf_counter()
+    cells = GuiDesktop(cfg.env.option_dict()).grid
+    rng, t0 = np.random.default_rng(cfg.seed), time.perf_counter()
+    acc, cos = {}, {}
     for i in range(args.updates + 1):
-        if i % 50 == 0 or i == args.updates:
+        if i % 50 == 0 or i in (1, 5, args.updates):
             lg = np.asarray(predict(model, *test[:5]))[:, digits]
             acc[i] = float(np.mean(lg.argmax(-1) == test[6]))
-            print(f"update {i}: held-out accuracy {acc[i]:.3f} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+            cos[i] = icon_cosine(model, test, cells)
+            print(f"update {i}: held-out accuracy {acc[i]:.3f}, icon/empty feature cosine "
+                  f"{cos[i]} ({time.perf_counter() - t0:.0f} s)", flush=True)
         if i < args.updates:
             update(model, opt, *batch(rng.integers(0, HELD_OUT, 32))[:6])
     print(json.dumps({"config": args.config, "set": args.set, "text": args.text,
-                      "accuracy_by_update": acc}))
+                      "accuracy_by_update": acc, "icon_empty_cosine_by_update": cos}))
+
+
+def icon_cosine(model, test, cells: tuple[int, int]) -> float | None:
+    """Mean cosine between the tower's feature of the icon's cell and those of the empty cells
+    (near 1: the tower no longer tells them apart); None unless every screenshot is read as one
+    image token per cell (row-major, as the cells are numbered)."""
+    feats = np.asarray(model.image_features(test[3])[0])
+    n, per = len(test[6]), cells[0] * cells[1]
+    if feats.shape[0] != n * per:
+        return None
+    unit = feats / np.linalg.norm(feats, axis=-1, keepdims=True)
+    unit = unit.reshape(n, per, -1)
+    sims = [np.delete(unit[b] @ unit[b, c - 1], c - 1).mean() for b, c in enumerate(test[6])]
+    return round(float(np.mean(sims)), 4)
 
 
 if __name__ == "__main__":
