@@ -129,3 +129,12 @@ def test_a_vision_language_policy_on_several_processes_is_refused_at_config_time
                            "distributed.num_processes=2", "distributed.process_id=0"])
     assert load_config(path, ["distributed.coordinator=127.0.0.1:8476",
                               "distributed.num_processes=1", "distributed.process_id=0"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_loads(path):
+    """A preset that no longer validates fails here, not in a user's first command. The GPU
+    presets take their context length from a checkpoint (model.checkpoint): given it here."""
+    extra = ["model.max_seq_len=4096"] if path.name.startswith("gpu-") else []
+    cfg = load_config(str(path), extra)
+    assert cfg.rollout.max_context <= cfg.trainer.row_len
