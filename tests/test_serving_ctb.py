@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tiderl.configlib import ConfigError
@@ -120,8 +120,22 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str], executing: s
             assert s._usage_of(kept + [p]) > s.budget(r)
 
 
+def _group(size, prompt=10, growth=5, is_eval=False):
+    return {"size": size, "prompt": prompt, "turns": 1, "growth": growth, "eval": is_eval}
+
+
+# Found by the search: evals admitted to a full rank preempt a non-eval task there, and the
+# round then admitted a new non-eval task on the other rank, where the preempted one fit.
+PREEMPTED_OVERTAKEN = {
+    "ranks": 2, "capacity": 300, "seed": 73, "horizon": None, "unsized": True,
+    "shared": False, "page": 1, "busy": 0.0, "park_min_wait": 0.0, "overcommit": 1.0,
+    "groups": [_group(3, is_eval=True), _group(3, is_eval=True), _group(2), _group(1),
+               _group(1, prompt=20, growth=40), _group(1), _group(1), _group(1)]}
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads)
+@example(PREEMPTED_OVERTAKEN)
 def test_ctb_invariants_under_random_workloads(w):
     rng = random.Random(w["seed"])
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])

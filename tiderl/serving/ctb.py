@@ -491,20 +491,29 @@ class CTBScheduler(TaskTable):
     def _admit_new(self, ranks: list[int], out: list[Decision]) -> None:
         """3. Admit new tasks while budgets, env concurrency and the staleness throttle allow.
         Paused tasks that fit somewhere were all resumed above, so none is overtaken. A new
-        eval task that fits nowhere preempts non-eval tasks, as a paused one does. Evals go
-        first, so a preempting eval never pauses a task admitted in this same round."""
+        eval task that fits nowhere preempts non-eval tasks, as a paused one does; the tasks
+        it paused are offered the other ranks before any new non-eval task. Evals go first,
+        so a preempting eval never pauses a task admitted in this same round."""
         # Admissions only take room: an eval that cannot preempt now cannot later this round,
         # until a preemption frees some.
         stuck: set[str] = set()
         # A task that has its observation and waits for room (it did not fit above) goes
         # before new work: new tasks would take the room it needs, piece by piece.
         blocked = any(t.ready and not t.is_eval for t in self._paused.values())
+        seen = len(out)
         while True:
             room = self._n_active < self.cfg.env_concurrency
             pick = self._pick_new(ranks, evals_only=True) if room and self._queued_evals \
                 else None
             if pick is None and self._queued_evals:
                 pick = self.preemption.pick_eval(ranks, out, stuck)
+            if pick is None and any(isinstance(d, Pause) for d in out[seen:]):
+                # Evals preempted tasks in this loop: like any paused task they go before new
+                # work, on another rank if theirs is full now.
+                self._resume_paused(ranks, out)
+                seen = len(out)
+                room = self._n_active < self.cfg.env_concurrency
+                blocked = any(t.ready and not t.is_eval for t in self._paused.values())
             if pick is None and room and not blocked:
                 pick = self._pick_new(ranks)
             if pick is None or not self._take_admission():
