@@ -4,15 +4,17 @@
                                    [--text full|task|question] [--set KEY=VALUE ...]
 
 The run config's policy (from scratch, its seed) learns by cross-entropy to answer a
-screenshot of the config's gui options (one icon: `icons=1`, `actions=cell`) with the oracle's
-cell digit, at the last token of the observation (the image placeholders, then `--text`: the observation's
-whole text, only its first line "Task: open X.", or one "?"), 32 fresh tasks an update, with
+screenshot of the config's gui options (one icon: `icons=1`, `actions=cell`) with the
+oracle's cell digit, at the last token of the observation (the image placeholders, then
+`--text`: the observation's whole text, only its first line "Task: open X.", or one "?"), 32
+fresh tasks an update, with
 the run's optimizer (trainer.lr and its schedule, AdamW, the clip, the tower frozen or at
-trainer.vision_lr_scale). Every 50 updates: greedy accuracy on 256 other seeds. It separates
+trainer.vision_lr_scale). After updates 1, 5 and every 50: greedy accuracy on 256 other
+seeds, and the cosine between the tower's icon-cell and empty-cell features. It separates
 "RL has not found the signal yet" from "this model cannot represent it": the comments of
 configs/vlm-gui.yaml cite it (M-RoPE layout, frozen tower). `--set` takes the run config's
 dotted overrides, e.g. `--set model.train_vision=true`, `--set model.mrope_interleaved=false
-model.rope_theta=10000`. The last line is one JSON object: accuracy by update.
+model.rope_theta=10000`. The last line is one JSON object: both by update.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tiderl.models.rope_index import mrope_positions  # noqa: E402
 from tiderl.models.tokenizer import ByteTokenizer  # noqa: E402
 from tiderl.models.vision import image_input  # noqa: E402
 from tiderl.models.vision_inputs import image_prompt_for  # noqa: E402
-from tiderl.train.ref_actor import make_optimizer  # noqa: E402
+from tiderl.train.ref_actor import make_optimizer, param_groups  # noqa: E402
 
 HELD_OUT = 10 ** 9  # held-out seeds start here; training seeds are drawn below it
 
@@ -85,10 +87,8 @@ def main() -> None:
     batch, digits = batches(cfg, args.text)
     model = policy_class(cfg.model)(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
     # The run's optimizer (clip, AdamW, schedule; the tower frozen or at its own rate).
-    m, t = cfg.model, cfg.trainer
-    frozen = () if m.train_vision else ("visual",)
-    scaled = (("visual", t.vision_lr_scale),) if m.train_vision and t.vision_lr_scale != 1 else ()
-    opt = nnx.Optimizer(model, make_optimizer(t, frozen, scaled), wrt=nnx.Param)
+    tx = make_optimizer(cfg.trainer, *param_groups(cfg.model, cfg.trainer))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     def answer_logits(m, toks, pos, segs, images, last):
         logits, _ = m(toks, pos, segs, images=images)

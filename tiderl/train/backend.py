@@ -84,6 +84,7 @@ from tiderl.train.ref_actor import (
     make_kernels,
     make_optimizer,
     make_schedule,
+    param_groups,
     schedule_count,
     train_shardings,
 )
@@ -244,20 +245,12 @@ class TrainerBackend:
         return cached
 
     def frozen_params(self) -> tuple[str, ...]:
-        """Top-level params the optimizer leaves alone: the vision tower under
-        `model.train_vision=false` (under LoRA the params are the adapters: nothing)."""
-        m = self.model_cfg
-        if self.lora is None and m.vision is not None and not m.train_vision:
-            return ("visual",)
-        return ()
+        """Top-level params the optimizer leaves alone (`ref_actor.param_groups`)."""
+        return param_groups(self.model_cfg, self.cfg, self.lora is not None)[0]
 
     def scaled_params(self) -> tuple[tuple[str, float], ...]:
-        """Top-level params at a learning rate of their own: a trained vision tower under
-        `trainer.vision_lr_scale` != 1."""
-        m, scale = self.model_cfg, self.cfg.vision_lr_scale
-        if self.lora is None and m.vision is not None and m.train_vision and scale != 1.0:
-            return (("visual", scale),)
-        return ()
+        """Top-level params at a learning rate of their own (`ref_actor.param_groups`)."""
+        return param_groups(self.model_cfg, self.cfg, self.lora is not None)[1]
 
     def _decide_offload(self) -> bool:
         if self.cfg.offload != "auto":

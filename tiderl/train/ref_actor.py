@@ -115,6 +115,19 @@ def frozen_labels(params: Any, frozen: tuple[str, ...],
     return jax.tree_util.tree_map_with_path(label, params)
 
 
+def param_groups(model: Any, cfg: TrainerConfig, lora: bool = False
+                 ) -> tuple[tuple[str, ...], tuple[tuple[str, float], ...]]:
+    """`make_optimizer`'s (frozen, scaled) for a policy: the vision tower frozen under
+    `model.train_vision=false`, at `trainer.vision_lr_scale` otherwise (under LoRA the trained
+    params are the adapters: neither)."""
+    if lora or model.vision is None:
+        return (), ()
+    if not model.train_vision:
+        return ("visual",), ()
+    scale = cfg.vision_lr_scale
+    return (), ((("visual", scale),) if scale != 1.0 else ())
+
+
 def make_schedule(cfg: TrainerConfig) -> optax.Schedule:
     """The learning rate as a function of applied updates (warmup, then constant or cosine)."""
     if cfg.lr_schedule == "cosine":
