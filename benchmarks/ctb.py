@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default="",
                     help="default: textworld,default,webshop (with --model, REAL_WORKLOADS: "
-                         "webshop,textworld,default)")
+                         "webshop,textworld,long,default)")
     ap.add_argument("--model", default="",
                     help="serve this checkpoint (HF folder or .gguf file) instead of the tiny "
                          "random policy, on REAL_WORKLOADS")

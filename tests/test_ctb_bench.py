@@ -63,6 +63,11 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     assert w["share"]["hit_rate_vanilla"] <= w["hit_rate_no_recompute"] + 1e-9
     assert w["share"]["hit_target_1_5x_within_no_recompute"] == (
         1.5 * w["share"]["hit_rate_vanilla"] <= w["hit_rate_no_recompute"])
+    # The reference step with a pool for every context ran (same tokens, nothing evicted:
+    # checked inside) and the verdict against it is reported.
+    assert w["share"]["free_pool_s"] > 0
+    assert head["longest_step_target_below_free_pool"] == (
+        w["share"]["step_target_s"] < w["share"]["free_pool_s"])
 
 
 def test_ctb_bench_model_prompts_use_the_checkpoint_chat_template(tmp_path):
@@ -96,5 +101,5 @@ def test_ctb_bench_model_errors_name_the_input(tmp_path, capsys):
         ctb.load_policy(str(tmp_path / "bare"))
     with pytest.raises(SystemExit):
         ctb.main(["--model", str(tmp_path / "bare"), "--workloads", "nope"])
-    assert "--workloads nope: unknown; choose from webshop,textworld,default" in \
+    assert "--workloads nope: unknown; choose from webshop,textworld,long,default" in \
         capsys.readouterr().err
