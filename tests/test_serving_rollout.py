@@ -200,3 +200,44 @@ async def test_sibling_prefix_sharing_prefills_a_groups_prompt_once():
     ref = full_logprobs(graphdef, params, on[0].tokens)  # and they are the model's (1e-4)
     mask = np.asarray(on[0].loss_mask[1:], bool)
     assert np.max(np.abs(np.asarray(on[0].logprobs[1:])[mask] - ref[mask])) < 1e-4
+
+
+async def test_evict_by_wait_takes_the_lowest_value_not_the_least_recently_used():
+    """CTB's `evict_by_wait`: past its pool a rank evicts the waiting task CTB values least,
+    where LRU would take the one that left for its environment first."""
+    rcfg = rollout_cfg()
+    _, _, (engine,) = build(1, rcfg)
+    rank = RolloutRank(0, engine)
+    await rank.start()
+    try:
+        for tid in (1, 2, 3):  # one turn each, in this order: task 1 is least recently used
+            await rank.turn(tid, [65 + tid] * 20)
+        resident = lambda: {tid for tid in (1, 2, 3)  # noqa: E731
+                            if rank.tasks[tid].prefix.slot is not None}
+        assert resident() == {1, 2, 3}
+        rank.set_wait_keep(1, 5.0)
+        rank.set_wait_keep(2, 0.5)
+        rank.set_wait_keep(3, 2.0)
+        assert rank._evict_lru(exclude=None) and resident() == {1, 3}
+        assert rank._evict_lru(exclude=None) and resident() == {1}
+        # A new turn clears the value: the task is no longer waiting.
+        await rank.turn(1, [70] * 4)
+        assert rank.tasks[1].wait_keep is None
+    finally:
+        await rank.close()
+
+
+async def test_evict_by_wait_under_memory_pressure_plays_the_same_tokens():
+    """Sampling is keyed by task and position, so the eviction order changes what is computed
+    again, never what is played: the same trajectories with and without `evict_by_wait`."""
+    rcfg = rollout_cfg(num_pages=12, max_slots=4, decode_buckets=(4,))
+    runs = {}
+    for on in (False, True):
+        _, _, engines = build(1, rcfg)
+        ctb = CTBConfig(action_reserve=rcfg.max_action_tokens, overcommit_max=4.0,
+                        evict_by_wait=on)
+        trajs, mgr = await play(engines, rcfg, groups=2, group_size=4, ctb=ctb)
+        assert len(trajs) == 8 and all(t.ok for t in trajs)
+        runs[on] = ({t.task_id: t.tokens for t in trajs}, mgr.stats())
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1]["forced_evictions"] > 0  # the pool ran short: the order was used
