@@ -50,13 +50,6 @@ class CTBConfig:
     recompute) keeps the plain budget. 1 (the default) turns it off. Measured, it pays for
     short contexts on a slow engine and loses in the simulated GPU cluster, where computing
     long contexts again is not free even while the engine idles between environment waits."""
-    evict_by_wait: bool = False
-    """Past its pool, a rank evicts the KV of tasks waiting on their environment by
-    `keep_value` (lowest first: a short context whose environment will keep it waiting long)
-    instead of least recently used. LRU evicts the task that left for its environment first,
-    which, where waits are not heavy-tailed, is the one about to come back; the learned wait
-    distribution (per task type) says which will come back last. Off by default: measured
-    only on one workload (benchmarks/ctb.py --model ... --workloads long)."""
     shared_prompts: bool = True
     """Count a GRPO group's prompt (its whole KV pages) once per rank: ranks with prefix
     sharing (`rollout.share_prefixes`, on by default) hold it once for all siblings there.

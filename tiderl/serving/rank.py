@@ -28,7 +28,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -94,9 +93,6 @@ class _Task:
     """The task's GRPO group: siblings on this rank may share its context prefix's KV."""
     keep: float = 0.0
     """While paused: what its KV is worth to the scheduler; the lowest is evicted first."""
-    wait_keep: float | None = None
-    """While it waits on its environment unpaused: what its KV is worth to the scheduler
-    (`set_wait_keep`); None: evicted least recently used."""
     max_action_tokens: int | None = None
     pending_images: list[Any] | None = None
     """The images whose placeholder tokens `pending` holds (until they are prefilled)."""
@@ -248,20 +244,10 @@ class RolloutRank:
         t.share_key = share_key
         t.max_action_tokens = max_action_tokens
         t.paused = False
-        t.wait_keep = None
         t.result = None
         t.future = asyncio.get_running_loop().create_future()
         self._wake.set()
         return t.future
-
-    def set_wait_keep(self, task_id: int, keep: float) -> None:
-        """What the KV of a task waiting on its environment is worth (CTB's `evict_by_wait`):
-        when pages run short, such tasks go lowest value first, after paused ones. Its next
-        turn clears it."""
-        t = self.tasks.get(task_id)
-        if t is None or t.paused or (t.future is not None and not t.future.done()):
-            return  # paused (its `keep` rules) or inside a turn (not waiting)
-        t.wait_keep = keep
 
     def pause(self, task_id: int, keep: float = 0.0) -> None:
         """CTB paused the task: keep its KV evictable (or evict now, per `evict_on_pause`);
@@ -560,11 +546,8 @@ class RolloutRank:
 
     def _evict_lru(self, *, exclude: set[int] | None) -> bool:
         """Evicts one idle task's KV: paused ones first (CTB let them go), the lowest value
-        to the scheduler first; then tasks waiting on their environment, by the value CTB
-        gave them (`set_wait_keep`), else least recently used."""
-        inf = math.inf
-        idle = [(not t.paused, t.keep if t.paused else
-                 (inf if t.wait_keep is None else t.wait_keep), t.last_used, tid)
+        to the scheduler first, then LRU."""
+        idle = [(not t.paused, t.keep if t.paused else 0.0, t.last_used, tid)
                 for tid, t in self._snap.items()
                 if (exclude is None or tid not in exclude) and not t.decoding
                 and t.prefix is not None and t.prefix.slot is not None]

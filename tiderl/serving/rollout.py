@@ -242,23 +242,6 @@ class RolloutManager:
                     self.ranks[d.rank].resume(ep.key)
                 ep.rank = d.rank
                 ep.wake.set()
-        cfg = getattr(self.sched, "cfg", None)
-        if cfg is not None and getattr(cfg, "evict_by_wait", False):
-            self._value_waiting()
-
-    def _value_waiting(self) -> None:
-        """CTB's `evict_by_wait`: each task waiting on its environment on the rank that holds
-        its KV gets its `keep_value`, the rank's eviction order past its pool."""
-        keep = getattr(self.sched, "keep_value", None)
-        if keep is None:  # the request-level baseline: LRU is its policy
-            return
-        for ep in self.episodes.values():
-            t = ep.task
-            if t.state == "active" and not t.executing and not t.ready and \
-                    ep.holder is not None and ep.holder == ep.rank:
-                rank = self.ranks[ep.holder]
-                if rank is not None:
-                    rank.set_wait_keep(ep.key, keep(t))
 
     def quarantine(self, rank: int) -> None:
         if rank in self.sched.dead:
