@@ -219,10 +219,19 @@ def prime_compiles(cfg: Any) -> int:
     eng.init_decode_state()
     ids = iter(range(1 << 30))
     n = 0
+    prev = 0
     for b in rcfg.decode_buckets:
+        # The fewest rows that land in bucket b, one of them t tokens long (the call's length
+        # bucket), the others one token: the same compiled shape as any call of this bucket,
+        # in the fewest pages (a tight pool, as `--job pressure` has, holds b rows of t
+        # tokens at no point of a run).
+        rows, prev = prev + 1, b
         for t in rcfg.prefill_buckets:
-            hs = eng.prefill_many(None, [PrefillRequest(None, [5] * t, t, task_id=next(ids))
-                                         for _ in range(b)])
+            if -(-t // rcfg.page_size) + rows > rcfg.num_pages:
+                continue  # no call of this shape fits the pool: none can occur
+            hs = eng.prefill_many(None, [
+                PrefillRequest(None, [5] * k, k, task_id=next(ids))
+                for k in [t] + [1] * (rows - 1)])
             for h in hs:
                 h.stop_reason, h.decoding = type(h.stop_reason).NONE, True
             eng.generate(None, eng.state)
