@@ -45,7 +45,8 @@ class CTBConfig:
     busy share (exponential average), so an engine busy half the time plans with twice its
     budget. Keeping a waiting task's KV is worth the room only while recomputing it would
     take engine time that is scarce; past the pool, the KV of tasks waiting on their
-    environment is evicted as pages run short (lowest `keep_value` first) and computed again
+    environment is evicted as pages run short (paused or parked ones first, lowest
+    `keep_value` first; then the others, least recently used) and computed again
     in time the engine would otherwise idle. A busy engine (long contexts, expensive
     recompute) keeps the plain budget. 1 (the default) turns it off. Measured, it pays for
     short contexts on a slow engine and loses in the simulated GPU cluster, where computing
