@@ -39,7 +39,9 @@ a command form for TextWorld), and the workloads are `REAL_WORKLOADS`: fewer tas
 so that a step fits a CPU on which this model prefills about a hundred tokens a second, and a
 KV pool smaller than the step's contexts (the fraction it holds is measured and printed: the
 sum of every task's final context over the pool). There recomputing an evicted context costs
-real compute. The JSON then also has `model`, `longest_context_workload` (the workload whose
+real compute. The same step is also played on a second engine whose pool holds every context
+(`--free-pool-runs`, the fastest: `free_pool_s`), the reference for what keeping every task's KV
+would give. The JSON then also has `model`, `longest_context_workload` (the workload whose
 tasks end with the longest mean context) and its `hit_rate_ratio`/`step_time_ratio`.
 """
 
