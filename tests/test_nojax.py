@@ -16,7 +16,7 @@ NO_JAX = [
     "tiderl.sim.costs", "tiderl.sim.virtual_engine", "tiderl.sim.trainer", "tiderl.sim.workloads",
     "tiderl.sim.envs", "tiderl.sim.host", "tiderl.sim.clock", "tiderl.sim.cluster",
     "tiderl.sim.fakes", "tiderl.sim.run", "tiderl.sim.experiments", "tiderl.sim.validate",
-    "tiderl.sim.calibrate", "tiderl.sim.virtual_ers",
+    "tiderl.sim.calibrate", "tiderl.sim.virtual_ers", "tiderl.sim.hostcost",
     "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",
     "tiderl.envs.health", "tiderl.envs.images", "tiderl.envs.adapters.gui",
     "tiderl.envs.adapters.gui_desk",

@@ -505,10 +505,11 @@ def test_shared_host_shares_its_capacity():
         SharedHost(capacity=0)
 
 
-def test_suite_env_calls_share_one_event_loop():
-    """The real job serves a built-in suite on its own event loop, so env round trips run one
-    at a time: eight calls made at once end one overhead apart, and an engine step started
-    beside them is slowed as beside one stream, not eight."""
+def test_suite_env_calls_hold_the_event_loop():
+    """The real job serves a built-in suite on its own event loop, so an env call's host work
+    holds that loop: eight calls made at once end together, after the eight calls' work, a
+    timer due meanwhile fires only then, and an engine step in flight beside them (on the
+    shared host) makes the held work take longer."""
     import asyncio
 
     from tiderl.config import load_config
@@ -518,28 +519,31 @@ def test_suite_env_calls_share_one_event_loop():
 
     cfg = load_config(None, ["env.latency.dist=none"]).env
 
-    async def go():
+    async def go(engine_first):
         host = SharedHost(capacity=1.0)
         env = SimSuiteEnv(cfg, overhead_s=0.01, host=host)
         loop = asyncio.get_running_loop()
         t0, ends = loop.time(), []
+        if engine_first:
+            host.fixed(1.0)  # an engine step in flight throughout
 
         async def call(k):
             await env.start({"task_id": f"t{k}", "target": 3})
             ends.append(loop.time() - t0)
 
-        calls = asyncio.gather(*(call(k) for k in range(8)))
-        await asyncio.sleep(0)
-        engine_step = host.fixed(0.1)  # beside the one loop stream in flight
-        await calls
-        return ends, engine_step
+        async def timer():
+            await asyncio.sleep(0.001)
+            return loop.time() - t0
 
-    ends, engine_step = run_virtual(go())
-    # The first call started alone (0.01 s); the rest each shared the host with the engine
-    # step while it ran (twice as long), one after another.
-    assert ends == sorted(ends) and len(set(ends)) == 8
-    assert ends[0] == pytest.approx(0.01, abs=1e-6)
-    assert engine_step == pytest.approx(0.2, abs=1e-6)
+        t = asyncio.ensure_future(timer())
+        await asyncio.gather(*(call(k) for k in range(8)))
+        return ends, await t
+
+    ends, fired = run_virtual(go(False))
+    assert ends == pytest.approx([0.08] * 8, abs=1e-6)
+    assert fired == pytest.approx(0.08, abs=1e-6)  # due at 0.001, the loop was held
+    ends, _ = run_virtual(go(True))  # beside the engine step: half the host's one core
+    assert ends == pytest.approx([0.16] * 8, abs=1e-6)
 
 
 # -- speed without a different schedule -----------------------------------------------------

@@ -10,7 +10,11 @@ noisy; the spread of the repeats is reported as the noise):
   context): the rank's own calls, with their bucketing and padding;
 - trainer Ref forward, Actor forward, Actor backward over micro-batch sizes, and the update;
 - a weight sync (export, copy to the rollout device, `update_weights`);
-- one environment call through the in-process HTTP server (the protocol's overhead).
+- the host work of an environment call, in situ: the event loop's CPU seconds per call of the
+  rollout manager, scheduler and rank playing groups with the env over HTTP, less the same
+  groups with the adapter called in-process (`tiderl.sim.hostcost`; one call timed alone, the
+  old measure, costs less and is kept in the notes). `--host-only` measures just this one
+  (no JAX) and updates the profile in place.
 
 Each operation's `c0 + max(work_flops / r_flops, work_hbm / r_hbm)` is fitted by least squares
 on relative error, with the work computed by `tiderl.sim.costs` exactly as the simulator
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.sim.costs import PROFILES, OpCost, Profile, SimCostModel, model_shape, profile_from_dict
+from tiderl.sim.hostcost import env_call_note, host_only, write_profile
 
 VALIDATION_OVERRIDES = [
     "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
@@ -461,7 +466,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     host = _contention(cfg, graphdef, params, devices[plan.rollout[0][0]], tr["backend"],
                        repeats)
     tr["backend"].close()
-    env = _env_times(cfg, repeats)
+    alone = _env_times(cfg, repeats)
     ops: dict[str, dict[str, float]] = {}
     report: dict[str, Any] = {"mape": {}, "noise": {}, "samples": {}}
     for group in (eng, tr):
@@ -474,12 +479,16 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                                         "fit": predict((cost.c0, cost.rate("flops"),
                                                         cost.rate("hbm")), w)}
                                        for w, y, meta in samples]
-    for name, ys in (("apply", tr["apply"]), ("weight_sync", sync), ("env_call", env)):
+    for name, ys in (("apply", tr["apply"]), ("weight_sync", sync)):
         cost, mape = fit_constant(ys)
         ops[name] = {"c0": cost.c0}
         report["mape"][name] = mape
         q = sorted(ys)
         report["noise"][name] = (q[(3 * len(q)) // 4] - q[len(q) // 4]) / cost.c0
+    env = env_call_note(cfg, ops, engine_rules, groups=8 if quick else 16,
+                        repeats=min(repeats, 3))
+    env["alone_ms"] = round(statistics.median(alone) * 1e3, 4)
+    ops["env_call"] = {"c0": env["seconds"]}
     # No offload on the CPU (host memory is the device memory) and no separate Ref devices.
     ops.update({"swap": {"c0": 0.0}, "role_change": {"c0": 0.0}, "context_switch": {"c0": 0.0}})
     profile = {
@@ -494,6 +503,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "noise_iqr_over_median": {k: round(v, 4) for k, v in report["noise"].items()},
             "slowdown_trainer_beside_rollout": round(host["slowdown_trainer"], 3),
             "slowdown_rollout_beside_trainer": round(host["slowdown_rollout"], 3),
+            "env_call": env,
         },
     }
     return profile, report
@@ -505,10 +515,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="a small grid, 3 repeats")
     p.add_argument("--out", default=str(PROFILES / "cpu-fitted.yaml"))
+    p.add_argument("--host-only", action="store_true",
+                   help="re-measure only the host costs (the env call, no JAX) and update --out "
+                        "in place")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 3
-    import yaml
+    if args.host_only:
+        from tiderl.config import load_config
+
+        cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-calibrate"])
+        env = host_only(Path(args.out), cfg, groups=8 if args.quick else 16,
+                        repeats=min(args.repeats, 5))
+        print(f"env call: {env['seconds'] * 1e3:.3f} ms of event-loop CPU per call in situ "
+              f"(spread {env['spread']:.0%}); wrote {args.out}")
+        print(json.dumps({"profile": args.out, "env_call_s": env["seconds"],
+                          "spread": env["spread"]}))
+        return 0
 
     profile, report = calibrate(repeats=args.repeats, quick=args.quick)
     print(f"{'operation':16s} {'samples':>7s} {'MAPE':>7s} {'noise':>7s}   c0 (ms)   "
@@ -520,10 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name:16s} {n!s:>7s} {report['mape'][name]:7.1%} {report['noise'][name]:7.1%}"
               f"   {spec['c0'] * 1e3:7.3f}   {spec.get('flops', 0):10.3g}   "
               f"{spec.get('hbm', 0):10.3g}")
-    Path(args.out).write_text(
-        "# Fitted by `python -m tiderl.sim.calibrate` on this machine (see notes); rerun to\n"
-        "# refit. Costs: c0 + max(flops / flops_rate, bytes / hbm_rate), seconds.\n"
-        + yaml.safe_dump(profile, sort_keys=False))
+    write_profile(Path(args.out), profile)
     n = profile["notes"]
     print(f"shared host: trainer work {n['slowdown_trainer_beside_rollout']:.2f}x slower beside "
           f"rollout (engine + env loop), engine work {n['slowdown_rollout_beside_trainer']:.2f}x"

@@ -40,6 +40,23 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         super().__init__()
         self.now_ticks = round(start * TICKS_PER_S)
         self._selector.select = self._jump  # type: ignore[method-assign]
+        self._held = 0.0
+        self._held_host: Any = None
+
+    def hold(self, seconds: float, host: Any = None) -> None:
+        """Modelled host work that runs on the loop's thread (the real job's env client and
+        server, on its event loop): the clock advances by `seconds` when the current
+        iteration's callbacks are done, so nothing else on the loop runs meanwhile. With a
+        `SharedHost`, the iteration's held work is one piece of work on it."""
+        self._held += max(0.0, seconds)
+        self._held_host = host
+
+    def _run_once(self) -> None:
+        super()._run_once()  # type: ignore[misc]
+        if self._held:
+            d, h = self._held, self._held_host
+            self._held = 0.0
+            self.now_ticks += round((h.fixed(d) if h is not None else d) * TICKS_PER_S)
 
     def time(self) -> float:
         return self.now_ticks / TICKS_PER_S

@@ -93,8 +93,9 @@ class SimAgentEnv:
 class SimSuiteEnv:
     """A built-in suite's adapter (e.g. the default task) behind the env-client interface, with
     the server's injected latency (`tiderl.envs.latency`, same seeds: the same delays per task
-    and turn as the real server) and its turn cap, plus `overhead_s` per call (the HTTP round
-    trip the real client and server cost, from the profile's `env_call`).
+    and turn as the real server) and its turn cap, plus `overhead_s` of host work per call (the
+    event loop's CPU time the real client and server spend on it, from the profile's
+    `env_call`, measured by `tiderl.sim.hostcost`).
 
     `trace` ({(task id, turn): action text}, recorded from a real run) replays the real
     policy's actions: the simulated engine only decides how many tokens an action has, so
@@ -118,11 +119,19 @@ class SimSuiteEnv:
         self._loop = asyncio.Lock()  # the event loop the real job serves the suite on
 
     async def _overhead(self) -> None:
-        if self.overhead_s:
-            h = self.host
-            async with self._loop:
-                await asyncio.sleep(h.fixed(self.overhead_s) if h is not None
-                                    else self.overhead_s)
+        """The call's host work (`overhead_s`): on a `VirtualLoop`, held on the loop (the real
+        client and server run on the job's event loop, so nothing else on it runs meanwhile)
+        and on the shared host; on another loop, a wait behind the calls before it."""
+        if not self.overhead_s:
+            return
+        h = self.host
+        hold = getattr(asyncio.get_running_loop(), "hold", None)
+        if hold is not None:
+            hold(self.overhead_s, h)
+            await asyncio.sleep(0)  # resumes once the held time has passed
+            return
+        async with self._loop:
+            await asyncio.sleep(h.fixed(self.overhead_s) if h is not None else self.overhead_s)
 
     async def start(self, task: dict) -> StartResult:
         await self._overhead()
@@ -144,10 +153,6 @@ class SimSuiteEnv:
         delay = self._latency.sample(tid, turn + 1)
         if delay:
             await asyncio.sleep(delay)
-        recorded = self.trace.get((tid, turn))
-        if recorded is not None:
-            action = recorded
-            self.replayed += 1
         recorded = self.trace.get((tid, turn))
         if recorded is not None:
             action = recorded

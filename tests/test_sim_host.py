@@ -1,0 +1,92 @@
+"""The host cost of an env call: measured in situ on this machine (`tiderl.sim.hostcost`) and
+charged where the real job spends it, on its event loop and the shared host (no JAX)."""
+
+import math
+import shutil
+
+import pytest
+
+
+def _fast_job():
+    from tiderl.config import load_config
+    from tiderl.sim.calibrate import VALIDATION_OVERRIDES
+
+    # No injected latency: the measurement then takes a fraction of a second.
+    return load_config(None, [*VALIDATION_OVERRIDES, "env.latency.dist=none"])
+
+
+def test_env_call_cpu_is_measured_positive_and_finite_here():
+    from tiderl.sim.hostcost import env_call_cpu_s
+
+    m = env_call_cpu_s(_fast_job(), groups=2, repeats=2)
+    assert len(m["samples"]) == 2 and m["calls"] > 0
+    # HTTP through the in-process server costs the loop more than calling the adapter: a
+    # positive, finite number of seconds per call, well under a second.
+    assert all(math.isfinite(x) and 0 < x < 0.1 for x in m["samples"])
+    assert min(m["samples"]) <= m["seconds"] <= max(m["samples"])
+    with pytest.raises(ValueError, match="repeats=0"):
+        env_call_cpu_s(_fast_job(), groups=2, repeats=0)
+
+
+def test_both_sides_play_the_same_episodes():
+    """HTTP and in-process play the same groups to the same ends: the difference in loop CPU
+    is the transport's, not different work."""
+    import asyncio
+
+    from tiderl.sim.hostcost import play
+
+    cfg = _fast_job()
+    out = {http: asyncio.run(play(cfg, http=http, groups=2)) for http in (True, False)}
+    assert out[True][1] > 0 and out[False][1] == 0  # HTTP calls made, none in-process
+    ends = {http: sorted((t.task_id, tuple(t.tokens), t.reward, t.turns) for t in o[2])
+            for http, o in out.items()}
+    assert len(ends[True]) == 2 * cfg.env.group_size
+    assert ends[True] == ends[False]
+
+
+def test_host_only_rewrites_the_env_call_and_keeps_the_fits(tmp_path):
+    from tiderl.sim.costs import PROFILES, load_profile
+    from tiderl.sim.hostcost import host_only
+
+    path = tmp_path / "cpu-fitted.yaml"
+    shutil.copy(PROFILES / "cpu-fitted.yaml", path)
+    before = load_profile(path)
+    env = host_only(path, _fast_job(), groups=2, repeats=1)
+    after = load_profile(path)
+    assert after.op("env_call").c0 == env["seconds"] > 0
+    assert after.notes["env_call"]["seconds"] == env["seconds"]
+    assert "in situ" in after.notes["env_call"]["measured_by"]
+    for name in ("prefill", "decode", "actor_backward", "apply"):
+        assert after.op(name) == before.op(name)
+    assert after.host == before.host
+
+
+def test_held_loop_time_is_not_counted_as_measured_cpu():
+    """`VirtualLoop.hold` advances the clock after the iteration; the CPU meter measures only
+    the callbacks' real time, so modelled and measured host work are not counted twice."""
+    import asyncio
+
+    from tiderl.sim.clock import CpuMeter, run_virtual
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        loop.hold(2.5)
+        await asyncio.sleep(0)
+        return loop.time()
+
+    meter = CpuMeter()
+    assert run_virtual(go(), meter=meter, charge_cpu=True) == pytest.approx(2.5, abs=0.05)
+    assert meter.cpu_s < 0.5
+
+
+def test_profiles_env_call_says_where_it_comes_from():
+    """cpu-fitted's env call is the in-situ measurement; the GPU profiles charge none (their
+    environments run on separate CPU machines, not on the trainer's or engine's host)."""
+    from tiderl.sim.costs import SimCostModel, load_profile, model_shape
+
+    cpu = load_profile("cpu-fitted")
+    assert cpu.op("env_call").c0 == cpu.notes["env_call"]["seconds"] > 0
+    for name in ("h100", "h200"):
+        p = load_profile(name)
+        assert SimCostModel(p, model_shape("qwen2.5-7b")).env_call() == 0.0
+        assert "env_call" in p.notes.get("host_costs", "")
