@@ -40,8 +40,9 @@ so that a step fits a CPU on which this model prefills about a hundred tokens a 
 KV pool smaller than the step's contexts (the fraction it holds is measured and printed: the
 sum of every task's final context over the pool). There recomputing an evicted context costs
 real compute. The same step is also played on a second engine whose pool holds every context
-(`--free-pool-runs`, the fastest: `free_pool_s`), the reference for what keeping every task's KV
-would give. The JSON then also has `model`, `longest_context_workload` (the workload whose
+(`--free-pool-runs`, in the contenders' rotation; the median: `free_pool_s`), the reference for
+what keeping every task's KV would give. `--ctb-variant k=v,...` adds CTB with those CTBConfig
+overrides as one more contender (e.g. `restore_ahead=true`). The JSON then also has `model`, `longest_context_workload` (the workload whose
 tasks end with the longest mean context) and its `hit_rate_ratio`/`step_time_ratio`.
 """
 
@@ -295,18 +296,36 @@ class Contender:
     kind: str  # "ctb" | "vanilla"
     share: bool
     cap: int = 0
+    variant: str = ""
+    """CTB with these CTBConfig overrides on top of `--ctb`'s (`--ctb-variant`)."""
+    free: bool = False
+    """The reference: every task in flight on the second engine, whose pool holds them all."""
 
     @property
     def name(self) -> str:
+        if self.free:
+            return "free pool"
         base = "ctb" if self.kind == "ctb" else f"vanilla@{self.cap}"
-        return base + ("+share" if self.share else "")
+        return base + ("+share" if self.share else "") + (f"+{self.variant}" if self.variant
+                                                          else "")
+
+
+def parse_overrides(text: str) -> dict:
+    """`k=v,k2=v2` into CTBConfig field values (typed as the field's default)."""
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, v = kv.split("=", 1)
+        default = getattr(CTBConfig(), k)
+        out[k] = (v.lower() in ("1", "true")) if isinstance(default, bool) else \
+            type(default)(v)
+    return out
 
 
 def new_scheduler(rcfg: RolloutConfig, c: Contender):
     ctb = CTBConfig(**{"action_reserve": rcfg.max_action_tokens,
                        "vanilla_concurrency": max(1, c.cap),
                        "env_concurrency": rcfg.max_slots, "shared_prompts": c.share,
-                       **CTB_OVERRIDES})
+                       **CTB_OVERRIDES, **parse_overrides(c.variant)})
     return make_scheduler(c.kind, ctb, [rcfg.num_pages * rcfg.page_size],
                           max_context=rcfg.max_context, page_size=rcfg.page_size)
 
@@ -368,6 +387,7 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
         "decode_tokens": st["decode_tokens"],
         "decode_tok_s": st["decode_tokens"] / dt,
         "forced_evictions": st["forced_evictions"],
+        "restored_tokens": st["restored_tokens"],
         "pauses": st["decisions"]["pause"],
         "parks": st["decisions"]["park"],
         "mean_active": statistics.fmean(active_samples) if active_samples else 0.0,
@@ -444,40 +464,20 @@ def prepare(wl: Workload, state_dir: str) -> list:
     return groups
 
 
-async def free_pool_steps(policy: Policy, rcfg: RolloutConfig, wl: Workload, url: str,
-                          groups: list, context_tokens: int, signature: int,
-                          decode_step_s: float, runs: int) -> list[float]:
-    """The step with KV for every context: a second engine whose pool holds every task's final
-    context (page rounding and an action's reserve each included), every task in flight, so
-    nothing is evicted or computed twice. A tight pool can only add work or waits to this
-    (no schedule's step is expected below it; the order of work differs, so it is a
-    measured reference, not a proof). Runs `runs` times after one untimed warm-up; the same
-    tokens as the step's are checked."""
-    if runs <= 0:
-        return []
+def free_pool(policy: Policy, rcfg: RolloutConfig, wl: Workload, context_tokens: int
+              ) -> tuple[Engine, RolloutConfig]:
+    """The second engine of the step with KV for every context: its pool holds every task's
+    final context (page rounding and an action's reserve each included) and every task is in
+    flight, so nothing is evicted or computed twice. A tight pool can only add work or waits
+    to this (no schedule's step is expected below it; the order of work differs, so it is a
+    measured reference, not a proof). It runs in the contenders' rotation, under the same
+    load, and its runs must sample the step's tokens."""
     n = wl.groups * wl.group_size
     need = context_tokens + n * (rcfg.page_size + rcfg.max_action_tokens)
     big = dataclasses.replace(rcfg, num_pages=-(-need // rcfg.page_size) + 1)
     engine = Engine(policy.graphdef, policy.params, policy.model, big, seed=123)
     warm_up(engine, big)
-    c = Contender("vanilla", True, n)
-    sched = new_scheduler(big, c)
-    out: list[float] = []
-    for k in range(runs + 1):
-        r = await run_step(engine, big, wl, url, groups, c, sched, decode_step_s, policy)
-        if r["signature"] != signature:
-            raise RuntimeError("the step with a pool for every context sampled other tokens "
-                               "than the step's: its time would bound nothing")
-        if r["forced_evictions"]:
-            raise RuntimeError(f"the free pool ({big.num_pages} pages) still evicted")
-        label = "warm-up" if k == 0 else f"rep {k - 1}"
-        print(f"  [{wl.name}] {label:7s} {'free pool':18s} step {r['step_s']:6.2f}s hit "
-              f"{r['cached_tokens'] / max(1, r['prompt_tokens']):.3f} computed "
-              f"{r['computed_tokens']:6d} busy {r['engine_busy']:.2f} ({big.num_pages} pages)",
-              file=sys.stderr, flush=True)
-        if k:
-            out.append(r["step_s"])
-    return out
+    return engine, big
 
 
 def sweep_caps(n_tasks: int, pool_cap: int, short: bool) -> list[int]:
@@ -511,10 +511,15 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         scheds: dict = {}
 
         async def once(c: Contender, label: str) -> dict:
+            eng, cfg = (big, big_cfg) if c.free else (engine, rcfg)
             if label == "sizing" or c not in scheds:
-                scheds[c] = new_scheduler(rcfg, c)
-            r = await run_step(engine, rcfg, wl, url, groups, c, scheds[c], decode_step_s,
-                               policy)
+                scheds[c] = new_scheduler(cfg, c)
+            r = await run_step(eng, cfg, wl, url, groups, c, scheds[c], decode_step_s, policy)
+            if c.free and r["signature"] != probe["signature"]:
+                raise RuntimeError("the step with a pool for every context sampled other "
+                                   "tokens than the step's: its time would bound nothing")
+            if c.free and r["forced_evictions"]:
+                raise RuntimeError(f"the free pool ({big_cfg.num_pages} pages) still evicted")
             hit = r["cached_tokens"] / max(1, r["prompt_tokens"])
             print(f"  [{wl.name}] {label:7s} {c.name:18s} step {r['step_s']:6.2f}s hit "
                   f"{hit:.3f} computed {r['computed_tokens']:6d} evictions "
@@ -526,10 +531,12 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
 
         # The pool-sized cap needs the mean context a turn needs: measured on an untimed run
         # with every task in flight (the caps sweep around it).
+        big = big_cfg = None
         probe = await once(Contender("vanilla", True, n_tasks), "sizing")
         mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
         pool_cap = max(1, round(capacity / mean_ctx))
         contenders = [Contender("ctb", True)]
+        contenders += [Contender("ctb", True, variant=v) for v in args.ctb_variant]
         if args.noshare_caps != "none":
             contenders.append(Contender("ctb", False))
         caps = sweep_caps(n_tasks, pool_cap, args.quick or args.sweep == "short")
@@ -542,6 +549,10 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         if args.only:
             keep = set(args.only.split(","))
             contenders = [c for c in contenders if c.name in keep]
+        free_c = Contender("vanilla", True, n_tasks, free=True)
+        if args.free_pool_runs:
+            big, big_cfg = free_pool(policy, rcfg, wl, probe["context_tokens"])
+            contenders.append(free_c)
         for c in contenders:
             if not args.quick:
                 await once(c, "warm-up")
@@ -549,12 +560,15 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         for rep in range(args.repeats):
             k = rep % len(contenders)
             for c in contenders[k:] + contenders[:k]:  # rotated: no contender always first
-                runs[c].append(await once(c, f"rep {rep}"))
+                if not (c.free and rep >= args.free_pool_runs):
+                    runs[c].append(await once(c, f"rep {rep}"))
         # The step ends with its last task, and no task finishes sooner than it would alone:
         # the tasks with the longest chains are replayed one at a time (same tokens, same env
         # latencies, the engine to themselves), the fastest of `repeats` runs each. The
         # longest of those is a measured lower bound for any schedule's step.
         ref = runs[contenders[0]][-1]
+        free = [r["step_s"] for r in runs.pop(free_c, [])]
+        contenders = [c for c in contenders if not c.free]
         specs = {s["task_id"]: s for g in groups for s in g["tasks"]}
         solo_c = Contender("vanilla", True, 1)
         solo: dict[str, float] = {}
@@ -571,12 +585,10 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
             solo[tid] = best
             print(f"  [{wl.name}] alone   {tid:18s} {best:6.2f}s (chain bound "
                   f"{ref['chains'][tid]:.2f}s)", file=sys.stderr, flush=True)
-        free = await free_pool_steps(policy, rcfg, wl, url, groups, probe["context_tokens"],
-                                     ref["signature"], decode_step_s, args.free_pool_runs)
     shutil.rmtree(state_dir, ignore_errors=True)
     keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
-            "decode_tokens", "decode_tok_s", "forced_evictions", "pauses", "parks", "mean_active",
-            "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
+            "decode_tokens", "decode_tok_s", "forced_evictions", "restored_tokens", "pauses",
+            "parks", "mean_active", "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
             "prefill_batches", "path_bound_s")
     med = {}
     for c, rs in runs.items():
@@ -591,7 +603,7 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
             "identical_tokens": len(sigs) == 1, "tasks": n_tasks, "capacity_tokens": capacity,
             "mean_context": mean_ctx, "pool_cap": pool_cap,
             "solo_bound_s": max(solo.values(), default=0.0), "solo": solo,
-            "free_pool_s": min(free, default=0.0), "free_pool_runs": free,
+            "free_pool_s": statistics.median(free) if free else 0.0, "free_pool_runs": free,
             "end_reasons": runs[contenders[0]][0]["end_reasons"],
             # Every task's final context (the sizing run, all tasks in flight) against the pool.
             "context_tokens": probe["context_tokens"],
@@ -611,6 +623,7 @@ ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
         ("  recomputed after eviction", "recomputed_evicted", "{:.0f}"),
         ("  shared from a sibling", "shared_tokens", "{:.0f}"),
         ("forced evictions", "forced_evictions", "{:.0f}"),
+        ("  restored ahead (tokens)", "restored_tokens", "{:.0f}"),
         ("CTB pauses (over budget)", "pauses", "{:.0f}"),
         ("CTB parks (release valve)", "parks", "{:.0f}"),
         ("mean tasks in flight", "mean_active", "{:.1f}"),
@@ -643,7 +656,8 @@ def report(res: dict, real: bool = False) -> dict:
     out: dict = {}
     for share in (True, False):
         tag = "share" if share else "noshare"
-        ctb = next((c for c in cs if c.kind == "ctb" and c.share == share), None)
+        ctb = next((c for c in cs if c.kind == "ctb" and c.share == share and not c.variant),
+                   None)
         vs = [c for c in cs if c.kind == "vanilla" and c.share == share]
         if ctb is None or not vs:  # `--only` left no pair to compare
             continue
@@ -679,6 +693,14 @@ def report(res: dict, real: bool = False) -> dict:
             # expected to reach it (a reference measured on this engine, not a proof).
             "step_target_below_free_pool": 0.85 * b["step_s"] < res["free_pool_s"],
         }
+        for v in (c for c in cs if c.kind == "ctb" and c.variant and c.share == share):
+            mv = med[v]
+            out[tag].setdefault("variants", {})[v.variant] = {
+                "hit_rate": round(mv["hit_rate"], 4),
+                "hit_rate_ratio": round(mv["hit_rate"] / max(b["hit_rate"], 1e-9), 3),
+                "step_s": round(mv["step_s"], 3),
+                "step_time_ratio": round(mv["step_s"] / b["step_s"], 3),
+                "engine_busy": round(mv["engine_busy"], 3)}
         o = out[tag]
         print(f"[{tag}] CTB / best vanilla ({best.name}): hit rate x{o['hit_rate_ratio']:.2f} "
               f"(x{o['hit_rate_ratio_vs_best_hit']:.2f} vs the best vanilla hit rate), step "
@@ -691,7 +713,7 @@ def report(res: dict, real: bool = False) -> dict:
               f"({'possible' if o['hit_target_possible'] else 'impossible: over 1'}), step "
               f"{o['step_target_s']:.2f}s against a step of at least {bound:.2f}s (longest "
               f"task chain {o['path_bound_s']:.2f}s, longest task alone "
-              f"{o['solo_bound_s']:.2f}s; every context resident, fastest of "
+              f"{o['solo_bound_s']:.2f}s; every context resident, median of "
               f"{len(res['free_pool_runs'])}: {o['free_pool_s']:.2f}s): {step_verdict}")
     out["identical_tokens"] = res["identical_tokens"]
     out["pool_cap"] = res["pool_cap"]
@@ -738,8 +760,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "bound (0: none)")
     ap.add_argument("--free-pool-runs", type=int, default=-1,
                     help="timed runs of the step with a pool that holds every context (a "
-                         "second engine; the fastest is a reference for the step; 0: none; "
-                         "default: --repeats with --model, else 0)")
+                         "second engine in the contenders' rotation, in its first N repeats; "
+                         "its median is a reference for the step; 0: none; default: "
+                         "--repeats with --model, else 0)")
+    ap.add_argument("--ctb-variant", action="append", default=[],
+                    help="one more CTB contender with these CTBConfig overrides (on top of "
+                         "--ctb), e.g. restore_ahead=true; repeatable")
     ap.add_argument("--latency-scale", type=float, default=1.0,
                     help="multiply every workload's env latency (how the result depends on "
                          "the env-wait / compute ratio: a faster or slower machine)")
@@ -749,11 +775,9 @@ def main(argv: list[str] | None = None) -> dict:
                  "(medians, the alone replays); use --repeats 1 for a quick look")
     if args.free_pool_runs < 0:
         args.free_pool_runs = args.repeats if args.model else 0
-    for kv in filter(None, args.ctb.split(",")):
-        k, v = kv.split("=", 1)
-        default = getattr(CTBConfig(), k)
-        CTB_OVERRIDES[k] = (v.lower() in ("1", "true")) if isinstance(default, bool) else \
-            type(default)(v)
+    CTB_OVERRIDES.update(parse_overrides(args.ctb))
+    for v in args.ctb_variant:
+        parse_overrides(v)  # a bad one fails here, not after the first workload
     table = REAL_WORKLOADS if args.model else WORKLOADS
     names = args.workloads.split(",") if args.workloads else list(table)
     if unknown := [n for n in names if n not in table]:
