@@ -42,7 +42,7 @@ sum of every task's final context over the pool). There recomputing an evicted c
 real compute. The same step is also played on a second engine whose pool holds every context
 (`--free-pool-runs`, in the contenders' rotation; the median: `free_pool_s`), the reference for
 what keeping every task's KV would give. `--ctb-variant k=v,...` adds CTB with those CTBConfig
-overrides as one more contender (e.g. `restore_ahead=true`). The JSON then also has `model`, `longest_context_workload` (the workload whose
+overrides as one more contender (e.g. `park_below_busy=0`). The JSON then also has `model`, `longest_context_workload` (the workload whose
 tasks end with the longest mean context) and its `hit_rate_ratio`/`step_time_ratio`.
 """
 
@@ -387,7 +387,6 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
         "decode_tokens": st["decode_tokens"],
         "decode_tok_s": st["decode_tokens"] / dt,
         "forced_evictions": st["forced_evictions"],
-        "restored_tokens": st["restored_tokens"],
         "pauses": st["decisions"]["pause"],
         "parks": st["decisions"]["park"],
         "mean_active": statistics.fmean(active_samples) if active_samples else 0.0,
@@ -587,7 +586,7 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
                   f"{ref['chains'][tid]:.2f}s)", file=sys.stderr, flush=True)
     shutil.rmtree(state_dir, ignore_errors=True)
     keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
-            "decode_tokens", "decode_tok_s", "forced_evictions", "restored_tokens", "pauses",
+            "decode_tokens", "decode_tok_s", "forced_evictions", "pauses",
             "parks", "mean_active", "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
             "prefill_batches", "path_bound_s")
     med = {}
@@ -623,7 +622,6 @@ ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
         ("  recomputed after eviction", "recomputed_evicted", "{:.0f}"),
         ("  shared from a sibling", "shared_tokens", "{:.0f}"),
         ("forced evictions", "forced_evictions", "{:.0f}"),
-        ("  restored ahead (tokens)", "restored_tokens", "{:.0f}"),
         ("CTB pauses (over budget)", "pauses", "{:.0f}"),
         ("CTB parks (release valve)", "parks", "{:.0f}"),
         ("mean tasks in flight", "mean_active", "{:.1f}"),
@@ -765,7 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "--repeats with --model, else 0)")
     ap.add_argument("--ctb-variant", action="append", default=[],
                     help="one more CTB contender with these CTBConfig overrides (on top of "
-                         "--ctb), e.g. restore_ahead=true; repeatable")
+                         "--ctb), e.g. park_below_busy=0; repeatable")
     ap.add_argument("--latency-scale", type=float, default=1.0,
                     help="multiply every workload's env latency (how the result depends on "
                          "the env-wait / compute ratio: a faster or slower machine)")

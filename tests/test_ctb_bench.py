@@ -44,7 +44,7 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     _tiny_llama(ckpt)
     head = ctb.main(["--model", str(ckpt), "--workloads", "default", "--quick", "--repeats", "1",
                      "--solo-tasks", "0", "--latency-scale", "0.05", "--noshare-caps", "pool",
-                     "--ctb-variant", "restore_ahead=true"])
+                     "--ctb-variant", "park_below_busy=0"])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == head  # the last stdout line is the JSON object
     assert head["model"] == "ckpt" and head["longest_context_workload"] == "default"
@@ -54,9 +54,9 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     assert w["share"]["best_vanilla"].startswith("vanilla@")
     assert 0.0 <= w["share"]["hit_rate_ctb"] <= 1.0
     # The CTB variant ran as one more contender, reported beside plain CTB.
-    v = w["share"]["variants"]["restore_ahead=true"]
+    v = w["share"]["variants"]["park_below_busy=0"]
     assert 0.0 <= v["hit_rate"] <= 1.0 and v["step_s"] > 0
-    assert any("ctb+share+restore_ahead=true" in line for line in out)
+    assert any("ctb+share+park_below_busy=0" in line for line in out)
     assert head["longest_hit_rate_ratio"] == w["share"]["hit_rate_ratio"]
     # The pool holds less than the step's contexts: recompute after eviction is possible.
     wl = ctb.REAL_WORKLOADS["default"]

@@ -498,50 +498,6 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s._check_indexes()
 
 
-def test_restore_ahead_runs_a_ready_task_beside_an_idle_engine_and_knows_waits():
-    # As above up to W waiting for room: the engine's busy share is 1.0 (saturated on
-    # average). Without restore-ahead W waits for room; with it, only while something
-    # executes on the rank.
-    def setup(**kw):
-        cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
-                        wait_samples=1, park_min_wait=0.0, **kw)
-        s = CTBScheduler(cfg, [100], max_context=1000)
-        now = [0.0]
-        s.set_clock(lambda: now[0])
-        s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30) for n in "ewr"])
-        s.schedule()
-        now[0] = 1.0
-        for n, size in (("e", 40), ("w", 40), ("r", 20)):
-            s.update_usage(n, size, executing=True)
-        for n in "wr":
-            s.set_executing(n, False)
-        now[0] = 1.5
-        assert s.expected_wait(s.tasks["e"]) == 0.0  # executing
-        # Waits seen: the three first observations, 1 s each; W has waited 0.5 s of them.
-        assert s.expected_wait(s.tasks["w"]) == pytest.approx(0.5)
-        s.update_usage("r", 50, ready=True)
-        assert s.expected_wait(s.tasks["r"]) == 0.0  # it has its observation
-        assert s.schedule() == [Pause("w", 0)]
-        s.set_executing("r", True)
-        s.set_executing("r", False)
-        now[0] = 4.0
-        # R has waited 2.5 s, longer than any wait seen (1, 1, 1 and its own 0.5): about as
-        # long again as their mean.
-        assert s.expected_wait(s.tasks["r"]) == pytest.approx(0.875)
-        s.update_usage("w", 42, ready=True)
-        assert s.tasks["w"].ready and s.tasks["w"].state == "paused"
-        return s
-
-    for on in (False, True):
-        s = setup(restore_ahead=on)
-        assert s.engine_busy == [1.0] and s.schedule() == []  # E executes: W waits
-        s.set_executing("e", False)  # nothing executes now: E and R wait on their envs
-        # E's context is the shorter (its KV the cheaper to compute again): it is parked.
-        want = [Pause("e", 0, parked=True), Resume("w", 0, False)] if on else []
-        assert s.schedule() == want
-        s._check_indexes()
-
-
 def test_overcommit_stretches_the_budget_while_the_engine_idles():
     cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
                     overcommit_max=3.0)

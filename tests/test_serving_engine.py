@@ -263,55 +263,6 @@ def test_evict_then_resume_recomputes_only_what_is_missing(model):
     assert stats["prompt_tokens_queried"] == 12 + 20 and stats["prompt_tokens_served"] == 0
 
 
-def test_restore_computes_missing_kv_without_sampling_and_counts_no_hit(model):
-    """Restore-ahead: an evicted task's context restored in chunks, then its next turn, gives
-    the same tokens, logprobs and logits as the turn recomputing it; what was restored counts
-    as computed (recomputed), never as served."""
-    graphdef, params = model
-
-    def play(restore: bool):
-        eng, state = _engine(model, temperature=1.0)
-        h = eng.prefill(None, None, np.arange(12), 12, task_id=3)
-        state = _decode_until_done(eng, eng.insert(h, state), [h])
-        resident, n = h.kv_length, len(h.tokens)
-        eng.evict(h)
-        if restore:
-            assert eng.restore(h, 5) == 5 and h.kv_length == 5 and len(h.tokens) == n
-            while eng.restore(h, 5):  # chunks until all but the last token are resident
-                pass
-            assert h.kv_length == n - 1 and eng.counters.restored_tokens == n - 1
-            assert eng.counters.recomputed_evicted == resident and eng.counters.decode_steps
-        eng.prefill(None, h, [1, 2], 2)
-        assert eng.counters.recomputed_evicted == resident
-        assert h.prefill_computed == n + 2 and h.prefill_cached == 0
-        state = _decode_until_done(eng, eng.insert(h, state), [h])
-        _check_against_full(eng, graphdef, params, h)
-        s = eng.stats()
-        assert s["prompt_tokens_served"] == 0 and s["prompt_tokens_queried"] == 12 + n + 2
-        return list(h.tokens), list(h.logprobs)
-
-    (tok_r, lp_r), (tok, lp) = play(True), play(False)
-    assert tok_r == tok  # logprobs to 1e-5: chunked KV sums in another order (fp32)
-    np.testing.assert_allclose(lp_r, lp, atol=1e-5, rtol=0)
-
-
-def test_restore_is_all_or_nothing_and_skips_running_or_resident_tasks(model):
-    eng, state = _engine(model, temperature=0.0, num_pages=6, max_context=64)
-    a = eng.prefill(None, None, np.arange(9), 9, task_id=1)
-    assert eng.restore(a, 8) == 0  # its action runs: nothing to restore
-    state = _decode_until_done(eng, eng.insert(a, state), [a])
-    assert eng.restore(a, 8) == 0  # resident: nothing missing
-    eng.evict(a)
-    b = eng.prefill(None, None, np.arange(17), 17, task_id=2)  # 5 of the 6 pages
-    with pytest.raises(PoolExhaustedError):
-        eng.restore(a, 64)
-    assert a.slot is None and a.kv_length == 0 and eng.pages.pages_in_use == 5
-    assert eng.counters.restored_tokens == 0
-    eng.free(b)
-    assert eng.restore(a, 64) == len(a.tokens) - 1
-    eng.pages.check()
-
-
 def test_pool_exhaustion_raises_and_other_slots_survive(model):
     graphdef, params = model
     eng, state = _engine(model, temperature=0.0, num_pages=6, max_context=64)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tiderl.envs.client import EnvClient
-from tiderl.envs.config import EnvConfig, LatencyConfig
+from tiderl.envs.config import EnvConfig
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.server import endpoint
 from tiderl.envs.tasks import TaskSource
@@ -59,8 +59,7 @@ def build(n_ranks: int, rcfg: RolloutConfig, engine_cls=Engine):
     return graphdef, params, engines
 
 
-async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=None,
-               env_cfg=None):
+async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=None):
     tok = ByteTokenizer()
     tmpl = template_for(tok, "byte")
     ranks = [RolloutRank(i, e) for i, e in enumerate(engines)]
@@ -70,7 +69,7 @@ async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=No
     sched = make_scheduler(scheduler, ctb or CTBConfig(action_reserve=rcfg.max_action_tokens),
                            [cap] * len(ranks), max_context=rcfg.max_context)
     src = TaskSource("default", "train", groups=groups, group_size=group_size)
-    async with endpoint(env_cfg or EnvConfig()) as url, EnvClient(url) as env:
+    async with endpoint(EnvConfig()) as url, EnvClient(url) as env:
         mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=4)
         trajs = await asyncio.gather(*(mgr.run_group(src.element(k)) for k in range(groups)))
     for r in ranks:
@@ -155,64 +154,6 @@ async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
     assert r3.cached_tokens == 0 and r3.computed_tokens == r3.prompt_tokens == n + 3
     assert rank.failed is None
     await rank.close()
-
-
-async def _restore_round(hinted: bool):
-    """Three tasks in a pool of two contexts: A's KV is evicted for C's. With a hint that A
-    is back first, the idle rank restores A, evicting C (back last), and keeps B."""
-    rcfg = rollout_cfg(num_pages=8, page_size=8, max_action_tokens=4)
-    _, _, engines = build(1, rcfg)
-    rank = RolloutRank(0, engines[0], restore_chunk=16)
-    waits: dict[int, float] = {}
-    if hinted:
-        rank.restore_hint = lambda: dict(waits)
-    await rank.start()
-    tok = ByteTokenizer()
-    for tid, ch in ((1, "a"), (2, "b"), (3, "c")):
-        await rank.turn(tid, tok.encode(ch * 25))
-    a = rank.tasks[1].prefix
-    assert a.slot is None  # least recently used: evicted for C
-    if hinted:
-        waits.update({1: 0.1, 2: 5.0, 3: 6.0})
-        for _ in range(200):
-            if a.kv_length == len(a.tokens) - 1:
-                break
-            await asyncio.sleep(0.05)
-        assert a.kv_length == len(a.tokens) - 1 and rank.stats.restored_tokens == a.kv_length
-        assert rank.stats.restore_evictions == 1
-        assert rank.tasks[3].prefix.slot is None and rank.tasks[2].prefix.slot is not None
-        await asyncio.sleep(0.6)  # nothing else to restore: C does not evict B (a near tie)
-        assert rank.stats.restore_evictions == 1 and rank.tasks[2].prefix.slot is not None
-    r = await rank.turn(1, tok.encode(" next"))
-    await rank.close()
-    return r
-
-
-async def test_restore_ahead_restores_the_task_back_soonest_in_idle_engine_time():
-    restored, plain = await _restore_round(True), await _restore_round(False)
-    # The same action, and the restored context counts as computed, not as a hit.
-    assert restored.action_tokens == plain.action_tokens
-    assert restored.cached_tokens == plain.cached_tokens == 0
-    assert restored.computed_tokens == plain.computed_tokens == restored.prompt_tokens
-
-
-async def test_restore_ahead_on_several_ranks_with_a_tight_pool_finishes_every_task():
-    rcfg = rollout_cfg(num_pages=14, max_slots=4, decode_buckets=(4,))
-    graphdef, params, engines = build(2, rcfg)
-    ctb = CTBConfig(action_reserve=rcfg.max_action_tokens, restore_ahead=True, wait_samples=1,
-                    park_min_wait=0.0)
-    # Environments that keep tasks waiting (lognormal, median 50 ms): CTB parks waiting
-    # tasks for ready ones, pages run short, and idle engine time restores evicted KV.
-    env_cfg = EnvConfig(latency=LatencyConfig(dist="lognormal", median_s=0.05, sigma=0.5,
-                                              seed=3))
-    trajs, mgr = await play(engines, rcfg, groups=3, group_size=4, ctb=ctb, env_cfg=env_cfg)
-    assert len(trajs) == 12 and all(t.ok for t in trajs), [t.end_reason for t in trajs]
-    for t in trajs:  # restored KV serves the same behaviour logprobs (fp32, 1e-4)
-        ref = full_logprobs(graphdef, params, t.tokens)
-        mask = np.asarray(t.loss_mask[1:], bool)
-        assert np.max(np.abs(np.asarray(t.logprobs[1:])[mask] - ref[mask])) < 1e-4
-    st = mgr.stats()
-    assert st["forced_evictions"] > 0 and st["restored_tokens"] > 0
 
 
 async def test_sibling_prefix_sharing_prefills_a_groups_prompt_once():

@@ -133,16 +133,6 @@ class CTBScheduler(TaskTable):
         rem = st.waits.remaining(self._now - t.since)
         return rem / mean if mean > 0 and rem is not None else None
 
-    def expected_wait(self, t: Task) -> float | None:
-        """Seconds until `t` wants the engine again: 0 when it has its observation, else its
-        expected remaining environment wait (learned per type); None while unknown."""
-        if t.executing or t.ready:
-            return 0.0
-        st = self.type_stats.get(t.task_type)
-        if st is None or len(st.waits) < max(1, self.cfg.wait_samples):
-            return None
-        return st.waits.remaining(self.clock() - t.since)
-
     def keep_value(self, t: Task) -> float:
         """What keeping `t` resident is worth; pausing and parking take the lowest first.
 

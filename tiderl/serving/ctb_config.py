@@ -68,16 +68,6 @@ class CTBConfig:
     at least this share of the type's mean wait."""
     park_per_round: int = 8
     """Most tasks one scheduling round parks (keeps a round cheap)."""
-    restore_ahead: bool = False
-    """While a rank's engine would idle, compute the KV of the task between turns that is
-    expected back soonest (its environment's remaining wait, learned per type; a task that
-    has its observation and waits for room first), one `RolloutRank.restore_chunk` (64
-    tokens) per engine call, evicting for it tasks expected back well after it; and when
-    pages run short, evict the task expected back last; and a task that has its observation
-    does not wait for room beside an engine that executes nothing (the release valve parks
-    waiting tasks for it however busy the engine has been). Recompute moves off a task's
-    critical path into idle engine time; what is restored still counts as computed (not a
-    cache hit)."""
     wait_samples: int = 8
     """Environment waits of a task type seen before CTB weighs expected waits (parking, the
     context tier of `keep_value`)."""

@@ -645,43 +645,6 @@ class Engine:
             filtered=self.filtered)
         return st, res
 
-    def restore(self, prefix: Prefix, max_tokens: int) -> int:
-        """Computes up to `max_tokens` of a waiting task's missing KV, without sampling; returns
-        how many tokens it computed (0: nothing missing, or its action is still running).
-
-        What is restored is the context its next prefill would otherwise recompute first
-        (every token but the last, which that prefill feeds with the new observation), at the
-        engine's current weights; stale KV is dropped first. The tokens count as computed
-        (recomputed, when they were computed before), exactly as in that prefill, so the
-        hit rate does not count a restore as a hit. All-or-nothing on capacity: when its
-        pages or a slot do not fit, PoolExhaustedError is raised before anything changes.
-        """
-        h = prefix
-        if h.decoding or not h.done or max_tokens < 1:
-            return 0
-        if h.slot is not None and h.kv_length and h.kv_version != self.version:
-            self._drop_kv(h, "version")
-        start, target = h.kv_length, len(h.tokens) - 1
-        if start >= target:
-            return 0
-        end = min(target, start + max_tokens)
-        row = (h, [], start, end, h.temperature, h.max_action_tokens)
-        self._check_capacity([row])
-        self.ensure_slot(h)
-        self._apply_copies(self.pages.reserve(h.slot, start, end))
-        pos = start
-        while pos < end:  # one chunk per call, as a prefill's long inputs
-            n = min(self.cfg.prefill_buckets[-1], end - pos)
-            tokens_bt = np.zeros((1, _bucket(n, self.cfg.prefill_buckets)), np.int32)
-            tokens_bt[0, :n] = h.tokens[pos: pos + n]
-            self._run(self._prefill_fn, [h], tokens_bt, [pos], [n], 1,
-                      delta=[text_delta(self._spans(h), pos)])
-            pos += n
-        self.counters.count_restore(h, start, end)  # its sample is not taken
-        h.kv_length, h.kv_version = end, self.version
-        h.computed_max = max(h.computed_max, end)
-        return end - start
-
     def evict(self, prefix: Prefix | int) -> Prefix:
         """Frees the task's pages and slot; its tokens stay (a later prefill recomputes them)."""
         h = self._resolve(prefix)
@@ -695,7 +658,7 @@ class Engine:
         h = self._resolve(prefix)
         if h.slot is not None:
             self._close(h)
-        h.kv_length, h.decoding, h.restored = 0, False, 0
+        h.kv_length, h.decoding = 0, False
 
     def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
         """n siblings sharing the task's resident KV pages copy-on-write (GRPO groups)."""
@@ -790,7 +753,7 @@ class Engine:
 
     def _drop_kv(self, h: Prefix, reason: str) -> None:
         self.pages.release_pages(h.slot)
-        h.kv_length, h.decoding, h.drop_reason, h.restored = 0, False, reason, 0
+        h.kv_length, h.decoding, h.drop_reason = 0, False, reason
 
     def _close(self, h: Prefix) -> None:
         self.pages.close(h.slot)

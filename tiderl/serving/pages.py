@@ -251,9 +251,6 @@ class Prefix:
     decoding: bool = False
     computed_max: int = 0
     drop_reason: str = "new"
-    restored: int = 0
-    """Of `tokens[:kv_length]`, how many a restore computed since the last prefill (they are
-    counted as computed, not as a cache hit, when that prefill comes)."""
     prefill_computed: int = 0
     """Tokens the last prefill computed (new + recomputed)."""
     prefill_cached: int = 0
@@ -341,30 +338,13 @@ class EngineCounters:
     def kv_hit_rate(self) -> float:
         return self.prompt_tokens_served / max(1, self.prompt_tokens_queried)
 
-    restored_tokens: int = 0
-    """Tokens computed by `Engine.restore` (a waiting task's KV in idle engine time); they
-    are in the computed counters above and never in `prompt_tokens_served`."""
-
     def count_prefill(self, h: Any, start: int, end: int) -> None:
         """A prefill of `h`'s context `[start, end)` on top of `start` resident tokens: the
         queried/served prompt tokens, and what was computed split into new tokens and tokens
-        computed before whose KV was dropped (evicted, or stale after a weight version).
-        Resident tokens a restore computed (`h.restored`) count as computed, not served."""
-        r = h.restored
-        h.prefill_computed, h.prefill_cached = end - start + r, start - r
-        h.restored = 0
+        computed before whose KV was dropped (evicted, or stale after a weight version)."""
+        h.prefill_computed, h.prefill_cached = end - start, start
         self.prompt_tokens_queried += end
-        self.prompt_tokens_served += start - r
-        self._count_computed(h, start, end)
-
-    def count_restore(self, h: Any, start: int, end: int) -> None:
-        """A restore of `h`'s context `[start, end)`: computed now, queried at its next
-        prefill (which counts these tokens as computed, see `count_prefill`)."""
-        h.restored += end - start
-        self.restored_tokens += end - start
-        self._count_computed(h, start, end)
-
-    def _count_computed(self, h: Any, start: int, end: int) -> None:
+        self.prompt_tokens_served += start
         redo = max(0, min(end, h.computed_max) - start)
         if h.drop_reason == "evicted":
             self.recomputed_evicted += redo

@@ -29,19 +29,12 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tiderl.serving.pages import PoolExhaustedError, PrefillRequest, Prefix, StopReason
 
 log = logging.getLogger(__name__)
-
-
-RESTORE_POLL_S = 0.25
-"""With restore-ahead and nothing to restore, how often an idle rank looks again."""
-RESTORE_MARGIN, RESTORE_SLACK_S = 1.5, 0.5
-"""A restore evicts a task only if it is expected back after margin × the restored one's
-wait + slack: expected waits are estimates, and a near tie would trade KV back and forth."""
 
 
 class RankFailedError(RuntimeError):
@@ -125,10 +118,6 @@ class RankStats:
     """Seconds the engine worked (its executor calls, on the event loop's clock)."""
     shared_tokens: int = 0
     """Prompt tokens taken from a sibling's KV pages (prefix sharing) instead of computed."""
-    restored_tokens: int = 0
-    """KV tokens restore-ahead computed in idle engine time (see `RolloutRank._restore`)."""
-    restore_evictions: int = 0
-    """Tasks evicted to make room for a restore (expected back well after it)."""
     deferred_shares: int = 0
     """Prefills held back one loop iteration so a sibling computes their common prefix first."""
 
@@ -141,8 +130,7 @@ class RolloutRank:
     """Drives one engine through the contract for many concurrent multi-turn tasks."""
 
     def __init__(self, rank_id: int, engine: Any, *, evict_on_pause: bool = False,
-                 max_prefills_per_step: int = 8, share_prefixes: bool = True,
-                 restore_chunk: int = 64):
+                 max_prefills_per_step: int = 8, share_prefixes: bool = True):
         self.rank_id = rank_id
         self.engine = engine
         self.evict_on_pause = evict_on_pause
@@ -151,15 +139,6 @@ class RolloutRank:
         a group's prompt is prefilled once per rank (engines whose `prefill_many` takes
         `PrefillRequest.share`; others ignore it)."""
         self.max_prefills_per_step = max_prefills_per_step
-        self.restore_hint: Callable[[], dict[int, float]] | None = None
-        """Restore-ahead (the scheduler's, see `_restore`): each call returns the expected
-        seconds until each task here that waits between turns needs the engine again (0: it
-        has its observation); None turns it off."""
-        self.restore_chunk = restore_chunk
-        """Most tokens one idle engine call restores: a turn that arrives meanwhile waits
-        for one such call at most."""
-        self._waits: dict[int, float] = {}
-        self._restore_stalled = False
         self.tasks: dict[int, _Task] = {}
         self.stats = RankStats()
         self.failed: BaseException | None = None
@@ -344,7 +323,7 @@ class RolloutRank:
         # Host data only: its images' patches go with it (the new rank encodes them again).
         copy = dataclasses.replace(p, tokens=list(p.tokens), logprobs=list(p.logprobs),
                                    versions=list(p.versions), images=list(p.images),
-                                   slot=None, kv_length=0, restored=0, decoding=False)
+                                   slot=None, kv_length=0, decoding=False)
         return Handoff(copy, t.pending, t.result, t.pending_images)
 
     async def _run(self) -> None:
@@ -352,24 +331,15 @@ class RolloutRank:
         try:
             while not self._closed:
                 ops, self._ops = self._ops, []
-                self._waits = self.restore_hint() if self.restore_hint is not None else {}
                 ready = [tid for tid, t in self.tasks.items()
                          if t.pending is not None and not t.paused]
                 ready.sort(key=lambda tid: self.tasks[tid].last_used)
                 ready = ready[: self.max_prefills_per_step]
                 decoding = any(t.decoding for t in self.tasks.values())
                 if not ops and not ready and not decoding:
-                    if not self._waits or self._restore_stalled \
-                            or not hasattr(self.engine, "restore"):
-                        # After a restore plan that found nothing, sleep a while: expected
-                        # waits change with time alone.
-                        self._restore_stalled = False
-                        self._wake.clear()
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), None if self.restore_hint
-                                                   is None else RESTORE_POLL_S)
-                        continue
-                    ops = [("restore", None)]
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 if self._take_cost is not None:  # simulated: its device time on the loop clock
                     finished, replies = self._device_step(ops, ready, dict(self.tasks))
                     cost = float(self._take_cost())
@@ -423,8 +393,6 @@ class RolloutRank:
                 if p is not None and p.slot is not None and not p.decoding:
                     eng.evict(p)
                     self.stats.pause_evictions += 1
-            elif op == "restore":
-                self._restore()
             elif op == "weights":
                 params, version, _ = arg
                 eng.update_weights(params, version=version)
@@ -578,11 +546,9 @@ class RolloutRank:
 
     def _evict_lru(self, *, exclude: set[int] | None) -> bool:
         """Evicts one idle task's KV: paused ones first (CTB let them go), the lowest value
-        to the scheduler first, then LRU. With restore-ahead, the task expected back last
-        first (of those whose wait is known), as a cache that knows its future evicts."""
-        w = self._waits
-        idle = [(-w.get(tid, -1.0), not t.paused, t.keep if t.paused else 0.0, t.last_used,
-                 tid) for tid, t in self._snap.items()
+        to the scheduler first, then LRU."""
+        idle = [(not t.paused, t.keep if t.paused else 0.0, t.last_used, tid)
+                for tid, t in self._snap.items()
                 if (exclude is None or tid not in exclude) and not t.decoding
                 and t.prefix is not None and t.prefix.slot is not None]
         if not idle:
@@ -591,40 +557,6 @@ class RolloutRank:
         self.engine.evict(self._snap[tid].prefix)
         self.stats.forced_evictions += 1
         return True
-
-    def _between_turns(self, tid: int) -> bool:
-        t = self._snap.get(tid)
-        return t is not None and t.prefix is not None and t.pending is None \
-            and not t.decoding and t.prefix.done and (t.future is None or t.future.done())
-
-    def _restore(self) -> None:
-        """Restore-ahead, in engine time that would otherwise idle: computes (one
-        `restore_chunk`) the missing KV of the task between turns expected back soonest; for
-        its pages it evicts tasks expected back well after it (their KV is needed later than
-        this one's). Nothing to restore: the loop sleeps a while (`RESTORE_POLL_S`)."""
-        eng, snap, w = self.engine, self._snap, self._waits
-        order = sorted((x, tid) for tid, x in w.items() if self._between_turns(tid))
-        for x, tid in order:
-            p = snap[tid].prefix
-            have = p.kv_length if p.slot is not None and p.kv_version == eng.version else 0
-            if have >= len(p.tokens) - 1:
-                continue
-            later = [v for y, v in reversed(order) if y > RESTORE_MARGIN * x + RESTORE_SLACK_S
-                     and snap[v].prefix.slot is not None]
-            while True:
-                try:
-                    n = eng.restore(p, self.restore_chunk)
-                    self.stats.restored_tokens += n
-                    if n:
-                        return
-                    break
-                except PoolExhaustedError:
-                    if not later:
-                        break
-                    eng.evict(snap[later.pop(0)].prefix)
-                    self.stats.restore_evictions += 1
-            break  # only the soonest: a later one must not take the room it will need
-        self._restore_stalled = True
 
     def _result(self, t: _Task) -> TurnResult:
         p = t.prefix

@@ -184,25 +184,8 @@ class RolloutManager:
         self._busy_at: float | None = None
         self._busy_s: list[float] = []
         self._window: tuple[float, list[float], dict[str, float]] | None = None
-        for r in self.ranks:
-            self._hint(r)
 
     # -- scheduling -----------------------------------------------------------------------------
-    def _hint(self, rank: RolloutRank | None) -> None:
-        """Gives `rank` the scheduler's expected waits when CTB restores ahead."""
-        if rank is not None and getattr(self.sched.cfg, "restore_ahead", False) \
-                and hasattr(self.sched, "expected_wait"):  # CTB's (the baseline knows no task)
-            rank.restore_hint = lambda: self._waits_on(rank.rank_id)
-
-    def _waits_on(self, rank: int) -> dict[int, float]:
-        """Rank-side task id -> seconds until it needs the engine, for the tasks whose KV
-        `rank` holds (see `CTBScheduler.expected_wait`)."""
-        expect, out = self.sched.expected_wait, {}
-        for ep in self.episodes.values():
-            if ep.holder == rank and (x := expect(ep.task)) is not None:
-                out[ep.key] = x
-        return out
-
     def _busy_now(self) -> list[float]:
         # Seconds each rank slot's engine has worked; an empty slot (ERS moved its cell) none.
         return [0.0 if r is None else r.stats.busy_s for r in self.ranks]
@@ -310,7 +293,6 @@ class RolloutManager:
             raise ValueError(f"rollout rank slot {i} is taken; drain it first")
         self.ranks += [None] * (i + 1 - len(self.ranks))
         self.ranks[i] = rank
-        self._hint(rank)
         # Its engine's own pool (rollout.kv_memory_fraction sizes it); engines without a
         # config (the simulator's) keep the slot's capacity.
         ecfg = getattr(getattr(rank, "engine", None), "cfg", None)
@@ -644,7 +626,6 @@ class RolloutManager:
             "computed_tokens": sum(s.computed_tokens for s in every),
             "decode_tokens": sum(s.decode_tokens for s in every),
             "forced_evictions": sum(s.forced_evictions for s in every),
-            "restored_tokens": sum(s.restored_tokens for s in every),
             "window_cuts": self.window.cuts,
             "decisions": dict(self.decisions),
             "end_reasons": dict(self.end_reasons),

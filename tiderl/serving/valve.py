@@ -75,8 +75,7 @@ class ReleaseValve:
           spare (`park_below_busy`): it takes the room of waiting tasks, cheapest to let go
           first. On a saturated engine it waits for room instead: running it sooner adds no
           throughput there, and the parked tasks' KV, evicted when pages run short, would
-          be computed again (measured on long contexts: more prefill and longer steps) --
-          unless CTB restores ahead and nothing executes on the rank now (`_idle_now`); or
+          be computed again (measured on long contexts: more prefill and longer steps); or
         - nothing paused waits to come back, the rank's engine has time to spare
           (`park_below_busy`) and the tasks that would need the engine at any moment (each
           live task's share of time outside its environment, learned per type) would still
@@ -92,8 +91,7 @@ class ReleaseValve:
         if ready:
             want = max(ready, key=lambda t: (s.priority(t), t.task_id))
             home = s.affinity(want)
-            order = [r for r in ([home] if home in ranks else ranks)
-                     if self._idle(r) or (c.restore_ahead and self._idle_now(r))]
+            order = [r for r in ([home] if home in ranks else ranks) if self._idle(r)]
             return bool(order) and self._park_on(want, order, out, admit=False)
         if not s.n_queued() or s.n_active() >= c.env_concurrency or (
                 s.admission_limit is not None and s.admission_limit <= 0) or not all(
@@ -176,12 +174,6 @@ class ReleaseValve:
     def _idle(self, rank: int) -> bool:
         """The rank's engine has time to spare (`park_below_busy`)."""
         return self.host.engine_busy[rank] < self.host.cfg.park_below_busy
-
-    def _idle_now(self, rank: int) -> bool:
-        """Nothing executes on the rank now: its engine idles however busy it has been. With
-        `restore_ahead` a ready task takes waiting tasks' room then (their KV, if evicted,
-        is restored in later idle time) rather than wait beside an idle engine."""
-        return not any(t.executing for t in self.host.active_on(rank))
 
     def _parkable(self, t: Task, min_wait: float) -> bool:
         # Before its first observation a task may not have called its environment yet (it
