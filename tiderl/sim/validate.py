@@ -197,8 +197,9 @@ class _ActionRecorder:
 
 
 def prime_compiles(cfg: Any) -> int:
-    """Compiles every kernel shape the job can use, untimed: each prefill (rows, length)
-    bucket and decode bucket of the engine, and the trainer's kernels at every row bucket.
+    """Compiles every kernel shape the job can use, untimed: each prefill (rows, length,
+    page-table width) bucket and decode bucket of the engine, and the trainer's kernels at
+    every row bucket.
     (Compiled kernels are shared by later jobs of the same model and meshes in this process.)
     The simulator does not model compilation, so the timed runs must not pay for it."""
     import jax
@@ -238,6 +239,7 @@ def prime_compiles(cfg: Any) -> int:
             for h in hs:
                 eng.free(h)
             n += 2
+    n += _prime_widths(eng, rcfg, ids)
     t = trainer_config_for_mode(cfg)
     be = TrainerBackend(t, cfg.model, actor_mesh=meshes["actor"],
                         ref_mesh=meshes["ref"] if plan.ref else None,
@@ -254,6 +256,46 @@ def prime_compiles(cfg: Any) -> int:
         n += 1
     be.close()
     return n
+
+
+def _prime_widths(eng: Any, rcfg: Any, ids: Any) -> int:
+    """Compiles the prefill shapes of calls that attend over a resident context: the kernel
+    is traced per (rows, new tokens, page-table width), and the width follows the longest
+    row's context (its pages, rounded up to a power of two), so a turn appended to a resident
+    context can need a width no first prefill does. For each width w, each length bucket t
+    and the fewest rows of each row bucket: one row of n new tokens (in bucket t) on a resident
+    context that ends at w pages (or one token short of the context limit), the others one
+    token. Returns the shapes primed."""
+    ps, n_primed, w = rcfg.page_size, 0, 1
+    while w <= rcfg.max_pages_per_slot:
+        keys = min(w * ps, rcfg.max_context - 1)  # the longest row's context after the call
+        prev_t = 0
+        for t in rcfg.prefill_buckets:
+            n = min(t, keys - 1)  # new tokens computed: the pending sampled one and n - 1 more
+            if n > prev_t and keys > (w // 2) * ps:
+                n_primed += _prime_one_width(eng, rcfg, ids, keys, n)
+            prev_t = t
+        w *= 2
+    return n_primed
+
+
+def _prime_one_width(eng: Any, rcfg: Any, ids: Any, keys: int, n: int) -> int:
+    from tiderl.serving.pages import PrefillRequest
+
+    done, prev = 0, 0
+    for b in rcfg.decode_buckets:
+        rows, prev = prev + 1, b
+        if -(-keys // rcfg.page_size) + rows - 1 > rcfg.num_pages:
+            continue  # no call of this shape fits the pool: none can occur
+        # A resident context of keys - n tokens (plus its sampled, not yet computed, token).
+        (h,) = eng.prefill_many(None, [PrefillRequest(None, [5] * (keys - n), keys - n,
+                                                      task_id=next(ids), max_action_tokens=1)])
+        hs = eng.prefill_many(None, [PrefillRequest(h, [5] * (n - 1), n - 1)] + [
+            PrefillRequest(None, [5], 1, task_id=next(ids)) for _ in range(rows - 1)])
+        for x in hs:
+            eng.free(x)
+        done += 1
+    return done
 
 
 def run_real(cfg: Any) -> dict[str, Any]:
