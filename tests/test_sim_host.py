@@ -90,3 +90,23 @@ def test_profiles_env_call_says_where_it_comes_from():
         p = load_profile(name)
         assert SimCostModel(p, model_shape("qwen2.5-7b")).env_call() == 0.0
         assert "env_call" in p.notes.get("host_costs", "")
+
+
+def test_cpu_meter_on_thread_time_ignores_time_the_thread_did_not_run():
+    """validate's meter counts the loop thread's CPU: a callback descheduled (here: asleep)
+    is not control-plane work, while the default wall-clock meter counts it."""
+    import asyncio
+    import time
+
+    from tiderl.sim.clock import CpuMeter, run_virtual
+
+    async def go():
+        time.sleep(0.05)  # the thread off the CPU, as when other processes take the cores
+        await asyncio.sleep(1.0)
+        return asyncio.get_running_loop().time()
+
+    wall, cpu = CpuMeter(), CpuMeter(clock=time.thread_time)
+    assert run_virtual(go(), meter=wall, charge_cpu=True) >= 1.05
+    assert wall.cpu_s >= 0.05
+    assert run_virtual(go(), meter=cpu, charge_cpu=True) < 1.03
+    assert cpu.cpu_s < 0.03

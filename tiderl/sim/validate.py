@@ -17,8 +17,10 @@ goodputs do not overlap, `unresolved_pairs` names the others).
 With `--calibrate` the profile is refitted first, under the machine's current load. The last
 stdout line is one JSON object (`max_goodput_rel_error`, `same_ranking`, ...).
 
-The simulator does not model the CPU the real run's parts share (engine, trainer, env server
-and controller all on this machine's cores): where that matters, it shows as error here.
+The real run's parts share this machine's cores (engine, trainer, env server and controller):
+the simulator models that as processor sharing on one host (`tiderl.sim.host`), the env
+calls' client and server work as time held on the event loop (`tiderl.sim.hostcost`), and the
+control plane's own CPU as measured; what it leaves out shows as error here.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def simulate(cfg: Any, profile: str = "cpu-fitted",
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
     to the virtual clock, as the real run's event loop spends it."""
     costs = SimCostModel(load_profile(profile), model_shape("tiny"))
-    meter = CpuMeter()
+    meter = CpuMeter(clock=time.thread_time)  # this process's CPU, not the machine's load
     with tempfile.TemporaryDirectory() as tmp:
         out = run_virtual(_simulate(cfg, costs, tmp, trace), meter=meter,
                           charge_cpu=charge_cpu)
