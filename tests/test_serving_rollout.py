@@ -156,6 +156,35 @@ async def test_pause_keeps_kv_and_resume_on_same_rank_hits():
     await rank.close()
 
 
+async def test_weight_sync_of_the_same_version_mid_action_keeps_decoding():
+    """A sync that flushes nothing (the version the KV already has, as a rank rejoining with
+    the weights it holds) arrives while actions decode and another task's prefill runs in the
+    same engine step: the decoding actions continue where they are (they were once marked for
+    a fresh prefill while the engine kept decoding them, and the step's decode found slots it
+    did not know: KeyError, the rank quarantined). The tokens equal a run without the sync."""
+    rcfg = rollout_cfg(max_action_tokens=12, stop_tokens=())
+    tok = ByteTokenizer()
+
+    async def play(sync: bool) -> dict[int, list[int]]:
+        _, _, engines = build(1, rcfg)
+        eng = engines[0]
+        rank = RolloutRank(0, eng)
+        rank._state = eng.init_decode_state()  # driven step by step here, no loop
+        futs = {tid: rank.turn(tid, tok.encode(f"task {tid} says hi")) for tid in (1, 2)}
+        done = dict(rank._device_step([], [1, 2], dict(rank.tasks))[0])
+        assert not done and all(rank.tasks[t].decoding for t in (1, 2))
+        futs[3] = rank.turn(3, tok.encode("task 3 starts"))
+        ops = [("weights", (eng.params, eng.version, None))] if sync else []
+        done.update(rank._device_step(ops, [3], dict(rank.tasks))[0])
+        while len(done) < 3:
+            done.update(rank._device_step([], [], dict(rank.tasks))[0])
+        for f in futs.values():
+            f.cancel()
+        return {tid: r.action_tokens for tid, r in done.items()}
+
+    assert await play(True) == await play(False)
+
+
 async def test_sibling_prefix_sharing_prefills_a_groups_prompt_once():
     # A step of groups of G=8 on two ranks, with room for every context (no eviction): with
     # sharing on, the prompt of each group is computed once; the other G-1 siblings take

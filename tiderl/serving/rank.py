@@ -396,9 +396,10 @@ class RolloutRank:
             elif op == "weights":
                 params, version, _ = arg
                 eng.update_weights(params, version=version)
-                # Actions in flight continue after a fresh prefill of what was flushed.
+                # Actions in flight continue after a fresh prefill of what was flushed; one
+                # whose KV is of the version synced (the same version again) keeps decoding.
                 for t in self._snap.values():
-                    if t.decoding:
+                    if t.decoding and not (t.prefix is not None and t.prefix.decoding):
                         t.decoding = False
                         t.pending = t.pending or []
         batch = [tid for tid in ready
