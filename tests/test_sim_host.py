@@ -23,7 +23,7 @@ def test_env_call_cpu_is_measured_positive_and_finite_here():
     # HTTP through the in-process server costs the loop more than calling the adapter: a
     # positive, finite number of seconds per call, well under a second.
     assert all(math.isfinite(x) and 0 < x < 0.1 for x in m["samples"])
-    assert min(m["samples"]) <= m["seconds"] <= max(m["samples"])
+    assert m["seconds"] in m["samples"] or m["seconds"] == sum(m["samples"]) / 2  # a median
     with pytest.raises(ValueError, match="repeats=0"):
         env_call_cpu_s(_fast_job(), groups=2, repeats=0)
 
