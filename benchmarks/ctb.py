@@ -83,6 +83,7 @@ from tiderl.serving.ctb import CTBConfig, make_scheduler  # noqa: E402
 from tiderl.serving.engine import Engine, PrefillRequest  # noqa: E402
 from tiderl.serving.rank import RolloutRank  # noqa: E402
 from tiderl.serving.rollout import RolloutManager  # noqa: E402
+from tiderl.serving.warmup import prime_engine  # noqa: E402
 
 from learn_real import TEXTWORLD_SYSTEM  # noqa: E402  (benchmarks/: the script's folder)
 
@@ -408,25 +409,12 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
 
 
 def warm_up(engine: Engine, rcfg: RolloutConfig) -> tuple[float, float]:
-    """Compiles every (rows, length) bucket the steps can hit, outside the timed steps.
-    Returns the seconds that took and the fastest one-row decode step."""
+    """Compiles every kernel shape the steps can hit (`tiderl.serving.warmup.prime_engine`:
+    row and length buckets, page-table widths), outside the timed steps. Returns the seconds
+    that took and the fastest one-row decode step."""
     t0 = time.perf_counter()
     engine.init_decode_state()
-    prev_b = 0
-    for b in rcfg.decode_buckets:
-        n_rows = min(b, prev_b + 1)  # the smallest batch that lands in bucket b
-        prev_b = b
-        for t in rcfg.prefill_buckets:
-            if n_rows * t > rcfg.num_pages * rcfg.page_size // 2:
-                t = rcfg.prefill_buckets[0]
-            hs = engine.prefill_many(None, [PrefillRequest(None, [65] * t, t, task_id=10**6 + i)
-                                            for i in range(n_rows)])
-            state = engine.state
-            for h in hs:
-                state = engine.insert(h, state)
-            engine.generate(None, state)
-            for h in hs:
-                engine.free(h)
+    prime_engine(engine, rcfg)
     compile_s = time.perf_counter() - t0
     # The fastest decode step there is (one row, the smallest bucket): the critical path's
     # per-token floor. Only steps with the row still decoding count (once it stops, at its

@@ -47,13 +47,13 @@ class _Recorder:
 
 
 def test_prime_widths_reaches_every_prefill_shape_on_a_resident_context():
-    from tiderl.sim.validate import _prime_widths
+    from tiderl.serving.warmup import prime_widths
 
     rcfg = types.SimpleNamespace(page_size=16, max_context=128, max_pages_per_slot=8,
                                  prefill_buckets=(16, 64), decode_buckets=(8, 16, 32, 64),
                                  num_pages=96)
     rec = _Recorder(rcfg)
-    n = _prime_widths(rec, rcfg, itertools.count())
+    n = prime_widths(rec, rcfg, itertools.count())
     want = set()
     for b, t, w in itertools.product(rcfg.decode_buckets, rcfg.prefill_buckets, (1, 2, 4, 8)):
         # reachable: some n new tokens in bucket t on a context of w pages (< max_context)

@@ -211,7 +211,7 @@ def prime_compiles(cfg: Any) -> int:
     from tiderl.runtime.build import build
     from tiderl.runtime.parts import rollout_config_for, trainer_config_for_mode
     from tiderl.serving.engine import Engine
-    from tiderl.serving.pages import PrefillRequest
+    from tiderl.serving.warmup import prime_engine
     from tiderl.train.backend import TrainerBackend
     from tiderl.train.dispatch import microbatches
     from tiderl.train.synthetic import synthetic_trajectories
@@ -220,28 +220,7 @@ def prime_compiles(cfg: Any) -> int:
     rcfg = rollout_config_for(cfg, template_for(load_tokenizer(cfg.model.tokenizer), "auto"))
     eng = Engine(graphdef, jax.device_put(params, devices[plan.rollout[0][0]]), cfg.model, rcfg)
     eng.init_decode_state()
-    ids = iter(range(1 << 30))
-    n = 0
-    prev = 0
-    for b in rcfg.decode_buckets:
-        # The fewest rows that land in bucket b, one of them t tokens long (the call's length
-        # bucket), the others one token: the same compiled shape as any call of this bucket,
-        # in the fewest pages (a tight pool, as `--job pressure` has, holds b rows of t
-        # tokens at no point of a run).
-        rows, prev = prev + 1, b
-        for t in rcfg.prefill_buckets:
-            if -(-t // rcfg.page_size) + rows > rcfg.num_pages:
-                continue  # no call of this shape fits the pool: none can occur
-            hs = eng.prefill_many(None, [
-                PrefillRequest(None, [5] * k, k, task_id=next(ids))
-                for k in [t] + [1] * (rows - 1)])
-            for h in hs:
-                h.stop_reason, h.decoding = type(h.stop_reason).NONE, True
-            eng.generate(None, eng.state)
-            for h in hs:
-                eng.free(h)
-            n += 2
-    n += _prime_widths(eng, rcfg, ids)
+    n = prime_engine(eng, rcfg)
     t = trainer_config_for_mode(cfg)
     be = TrainerBackend(t, cfg.model, actor_mesh=meshes["actor"],
                         ref_mesh=meshes["ref"] if plan.ref else None,
@@ -258,46 +237,6 @@ def prime_compiles(cfg: Any) -> int:
         n += 1
     be.close()
     return n
-
-
-def _prime_widths(eng: Any, rcfg: Any, ids: Any) -> int:
-    """Compiles the prefill shapes of calls that attend over a resident context: the kernel
-    is traced per (rows, new tokens, page-table width), and the width follows the longest
-    row's context (its pages, rounded up to a power of two), so a turn appended to a resident
-    context can need a width no first prefill does. For each width w, each length bucket t
-    and the fewest rows of each row bucket: one row of n new tokens (in bucket t) on a resident
-    context that ends at w pages (or one token short of the context limit), the others one
-    token. Returns the shapes primed."""
-    ps, n_primed, w = rcfg.page_size, 0, 1
-    while w <= rcfg.max_pages_per_slot:
-        keys = min(w * ps, rcfg.max_context - 1)  # the longest row's context after the call
-        prev_t = 0
-        for t in rcfg.prefill_buckets:
-            n = min(t, keys - 1)  # new tokens computed: the pending sampled one and n - 1 more
-            if n > prev_t and keys > (w // 2) * ps:
-                n_primed += _prime_one_width(eng, rcfg, ids, keys, n)
-            prev_t = t
-        w *= 2
-    return n_primed
-
-
-def _prime_one_width(eng: Any, rcfg: Any, ids: Any, keys: int, n: int) -> int:
-    from tiderl.serving.pages import PrefillRequest
-
-    done, prev = 0, 0
-    for b in rcfg.decode_buckets:
-        rows, prev = prev + 1, b
-        if -(-keys // rcfg.page_size) + rows - 1 > rcfg.num_pages:
-            continue  # no call of this shape fits the pool: none can occur
-        # A resident context of keys - n tokens (plus its sampled, not yet computed, token).
-        (h,) = eng.prefill_many(None, [PrefillRequest(None, [5] * (keys - n), keys - n,
-                                                      task_id=next(ids), max_action_tokens=1)])
-        hs = eng.prefill_many(None, [PrefillRequest(h, [5] * (n - 1), n - 1)] + [
-            PrefillRequest(None, [5], 1, task_id=next(ids)) for _ in range(rows - 1)])
-        for x in hs:
-            eng.free(x)
-        done += 1
-    return done
 
 
 def run_real(cfg: Any) -> dict[str, Any]:
