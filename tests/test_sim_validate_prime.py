@@ -42,6 +42,11 @@ class _Recorder:
                 x[0] += k
         return self.eng.prefill_many(params, requests)
 
+    def generate(self, params, state):
+        return self.eng.generate(params, state)
+
+    state = {}  # the simulated engine keeps no decode state
+
     def free(self, h):
         self.eng.free(h)
 

@@ -9,11 +9,12 @@ runs after it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from tiderl.serving.pages import PrefillRequest, StopReason
+from tiderl.serving.pages import PoolExhaustedError, PrefillRequest, StopReason
 
 
 def prime_engine(eng: Any, rcfg: Any, ids: Iterator[int] | None = None) -> int:
@@ -43,9 +44,9 @@ def prime_engine(eng: Any, rcfg: Any, ids: Iterator[int] | None = None) -> int:
 
 
 def prime_widths(eng: Any, rcfg: Any, ids: Iterator[int]) -> int:
-    """Compiles the prefill shapes of calls that attend over a resident context: the width
-    follows the longest row's context (its pages, rounded up to a power of two), so a turn
-    appended to a resident context can need a width no first prefill does. For each width w,
+    """Compiles the prefill (and decode) shapes of calls that attend over a resident context:
+    the width follows the longest row's context (its pages, rounded up to a power of two), so
+    a turn appended to a resident context can need a width no first prefill does. For each w,
     each length bucket t and the fewest rows of each row bucket: one row of n new tokens (in
     bucket t) on a resident context that ends at w pages (or one token short of the context
     limit), the others one token. Returns the shapes primed."""
@@ -73,6 +74,12 @@ def _prime_one_width(eng: Any, rcfg: Any, ids: Iterator[int], keys: int, n: int)
                                                       task_id=next(ids), max_action_tokens=1)])
         hs = eng.prefill_many(None, [PrefillRequest(h, [5] * (n - 1), n - 1)] + [
             PrefillRequest(None, [5], 1, task_id=next(ids)) for _ in range(rows - 1)])
+        # And a decode step of these rows at this width (the decode kernel is cut to it too),
+        # where the pool has the page it may need.
+        for x in hs:
+            x.stop_reason, x.decoding = StopReason.NONE, True
+        with contextlib.suppress(PoolExhaustedError):
+            eng.generate(None, eng.state)
         for x in hs:
             eng.free(x)
         done += 1
