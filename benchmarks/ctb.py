@@ -42,8 +42,9 @@ sum of every task's final context over the pool). There recomputing an evicted c
 real compute. The same step is also played on a second engine whose pool holds every context
 (`--free-pool-runs`, in the contenders' rotation; the median: `free_pool_s`), the reference for
 what keeping every task's KV would give. `--ctb-variant k=v,...` adds CTB with those CTBConfig
-overrides as one more contender (e.g. `park_below_busy=0`). The JSON then also has `model`, `longest_context_workload` (the workload whose
-tasks end with the longest mean context) and its `hit_rate_ratio`/`step_time_ratio`.
+overrides as one more contender (e.g. `park_below_busy=0`). The JSON then also has `model`,
+`longest_context_workload` (the workload whose tasks end with the longest mean context) and
+its `hit_rate_ratio`/`step_time_ratio`.
 """
 
 from __future__ import annotations
@@ -574,8 +575,8 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
                   f"{ref['chains'][tid]:.2f}s)", file=sys.stderr, flush=True)
     shutil.rmtree(state_dir, ignore_errors=True)
     keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
-            "decode_tokens", "decode_tok_s", "forced_evictions", "pauses",
-            "parks", "mean_active", "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
+            "decode_tokens", "decode_tok_s", "forced_evictions", "pauses", "parks", "mean_active",
+            "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
             "prefill_batches", "path_bound_s")
     med = {}
     for c, rs in runs.items():
