@@ -404,6 +404,24 @@ def test_validation_compares_modes_and_ranks_them():
     res = compare(real, sim)
     assert res["ranking_real"] == ["tiderl", "stream", "sync"] and not res["same_ranking"]
     assert res["unresolved_pairs"] == ["tiderl~stream"] and res["same_ranking_resolved"]
+    assert res["overlapping_pairs"] == ["tiderl~stream"]
+    # Five seeds, paired: the ranges overlap (stream 14-22, tiderl 12-20), but seed by seed
+    # stream is above tiderl by 1.5-3 (a paired t-test orders them), so the simulator must
+    # order them too.
+    st, ti = [22, 14, 18, 16, 20], [20, 12, 15, 14, 18.5]
+    real = {"stream": [run(g, 1) for g in st], "tiderl": [run(g, 1) for g in ti]}
+    sim = {"stream": [run(17, 1)] * 5, "tiderl": [run(16, 1)] * 5}
+    res = compare(real, sim)
+    assert res["overlapping_pairs"] == ["stream~tiderl"] and res["unresolved_pairs"] == []
+    assert res["same_ranking_resolved"]
+    sim["tiderl"] = [run(18, 1)] * 5
+    assert not compare(real, sim)["same_ranking_resolved"]
+    from tiderl.sim.validate import paired_above
+    assert paired_above([2, 3], [1, 2]) and not paired_above([1, 2], [2, 3])
+    assert not paired_above([5], [1])  # one seed orders nothing by pairing
+    # The same values with the seeds' order shuffled in one mode no longer pair up.
+    real["tiderl"] = [run(g, 1) for g in (12, 20, 18.5, 15, 14)]
+    assert compare(real, sim)["unresolved_pairs"] == ["stream~tiderl"]
 
 
 def test_the_cpu_job_simulates_from_its_run_config(tmp_path):
