@@ -5,7 +5,9 @@ import math
 import pytest
 
 from tiderl.control.buffer import ReadinessBuffer
-from tiderl.control.ers import CellMap, ERSConfig, ERSPlanner, KeepSplit, Signals
+from tiderl.control.ers import ERSConfig, ERSPlanner
+from tiderl.control.fixed_plans import KeepSplit
+from tiderl.control.plans import CellMap, Signals
 from tiderl.envs.protocol import EndReason
 from tiderl.serving.rollout import Trajectory
 from tiderl.train.ra2p import PhaseCosts, break_even_ras, choose_mode, predicted_ready_times
@@ -365,7 +367,8 @@ def test_rollout_throttling_is_a_share_of_the_time_since_the_last_boundary():
 
 def test_scripted_planner_takes_the_named_roles_at_their_steps_only():
     from tiderl.configlib import ConfigError
-    from tiderl.control.ers import ScriptedPlanner, make_planner
+    from tiderl.control.ers import make_planner
+    from tiderl.control.fixed_plans import ScriptedPlanner
 
     cfg = ERSConfig(script=("1:rollout,trainer,trainer,trainer,ref",
                             "3:rollout,rollout,trainer,trainer,rollout"))

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from tiderl.control.ers import CellMap, ERSConfig, ERSPlanner, Signals
+from tiderl.control.ers import ERSConfig, ERSPlanner
 from tiderl.control.ers_rates import RateModel
+from tiderl.control.plans import CellMap, Signals
 
 GEN = dict(generation_deficit=True, twt_frac=0.6, deficit_reason="trainer waits")
 CON = dict(consumption_deficit=True, deficit_reason="head-of-line")
@@ -120,7 +121,7 @@ def test_a_consumption_move_is_gated_and_sized_too():
 def test_the_step_record_carries_the_plan_effect():
     """The controller's step record (the ERS logging path) holds `plan_effect`."""
     from tiderl.control.boundary import ReadinessAware
-    from tiderl.control.ers import ScalingPlan
+    from tiderl.control.plans import ScalingPlan
 
     class Stub(ReadinessAware):
         def __init__(self):

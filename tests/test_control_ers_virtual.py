@@ -11,15 +11,9 @@ import pytest
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.config import ControllerConfig
 from tiderl.control.controller import Controller, Hooks
-from tiderl.control.ers import (
-    CellMap,
-    ERSConfig,
-    ERSPlanner,
-    RoleChangeResult,
-    ScalingPlan,
-    moves_between,
-)
+from tiderl.control.ers import ERSConfig, ERSPlanner
 from tiderl.control.metrics import MetricsSink
+from tiderl.control.plans import CellMap, RoleChangeResult, ScalingPlan, moves_between
 from tiderl.envs.tasks import TaskSource
 from tiderl.envs.templates import template_for
 from tiderl.models.tokenizer import ByteTokenizer

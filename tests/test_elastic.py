@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from tiderl.control.ers import CellMap, ERSConfig, RoleChange, moves_between
+from tiderl.control.ers import ERSConfig
+from tiderl.control.plans import CellMap, RoleChange, moves_between
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
 from tiderl.runtime.devices import CellLayout
@@ -179,7 +180,8 @@ def test_world_cells_keep_a_trainer_cell_on_every_process():
     """The cells of two 4-device hosts (as `tests/test_multihost.py` runs them): the trainer
     mesh groups its cells by process, role maps number rollout ranks by cell, and the planner
     never takes a process's last trainer cell."""
-    from tiderl.control.ers import ERSPlanner, Signals
+    from tiderl.control.ers import ERSPlanner
+    from tiderl.control.plans import Signals
     from tiderl.runtime.cells import host_plan
     from tiderl.runtime.devices import cell_layout
     from tiderl.runtime.worldcells import KeepTrainerPerProcess, WorldCells

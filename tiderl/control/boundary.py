@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiderl.control.buffer import Readiness
-from tiderl.control.ers import Signals
+from tiderl.control.plans import Signals
 from tiderl.train.ra2p import predicted_ready_times
 
 

@@ -42,15 +42,9 @@ from typing import Any, Protocol
 from tiderl.control.boundary import ReadinessAware
 from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
-from tiderl.control.ers import (
-    CellMap,
-    KeepSplit,
-    Planner,
-    RoleChange,
-    RoleChangeResult,
-    initial_cells,
-)
+from tiderl.control.fixed_plans import KeepSplit
 from tiderl.control.metrics import MetricsSink, trajectory_metrics
+from tiderl.control.plans import CellMap, Planner, RoleChange, RoleChangeResult, initial_cells
 from tiderl.control.progress import snapshot
 from tiderl.control.roles import RoleSwitch
 from tiderl.control.samples import SampleWriter
@@ -121,7 +115,7 @@ class Hooks:
     checkpoint: Callable[[int, dict], Awaitable[None]] | None = None
     """Saves the trainer state at a step with the task-stream state."""
     apply_roles: Callable[[RoleChange, Any], Awaitable[RoleChangeResult]] | None = None
-    """Carries out a role change at a sync boundary (see `tiderl.control.ers`); None: roles
+    """Carries out a role change at a sync boundary (see `tiderl.control.plans`); None: roles
     stay as they are."""
     compile_stats: Callable[[], dict] | None = None
     """Cumulative compilation counters ({"compiles", "compile_s"}); role-change records and

@@ -1,44 +1,14 @@
-"""Elastic Resource Scaling (arXiv 2608.10402, §5.2): the planner, its inputs and its plans. No JAX.
+"""Elastic Resource Scaling (arXiv 2608.10402, §5.2): the readiness-aware planner. No JAX.
 
-Devices are grouped into **cells** (a cell's size is the unit both roles use: the trainer's
-FSDP × model group, or that many one-device rollout ranks). Every cell holds one role:
-`rollout`, `trainer` (the Actor's data-parallel width is its number of cells) or `ref` (a
-decoupled RA2P Ref; none means colocated). Right after each actor update and before the weight
-sync the controller builds `Signals` from the readiness buffer, asks the planner for a
-`ScalingPlan` and, when the plan changes anything, carries it out (`tiderl.control.roles`).
-
-Interface (what a simulator implements to reuse the planner and the controller unchanged):
-
-- The controller takes `cells=CellMap(...)` (the initial role of each cell, cell id = index)
-  and `ranks_per_cell=k`: cell c serves rollout ranks `c·k … c·k + k − 1`. The rollout
-  manager's scheduler must have a slot for every such rank id; ranks of cells that do not
-  start in rollout are created dead (`RolloutManager.add_rank` revives a slot).
-- `Hooks.apply_roles(change: RoleChange, weights) -> RoleChangeResult` is awaited at the
-  boundary after the controller drained the rollout ranks of every cell leaving rollout
-  (their tasks migrate through CTB, cache-free, `RolloutManager.drain_rank`). It must move the
-  trainer and Ref to the cells of `change.after` (Actor data width = trainer cells; Ref on the
-  ref cells when `change.ref_mode == "decoupled"`, else on the Actor's), start one rollout
-  rank (`serving.rank.RolloutRank`, any engine; rank id as above, weights = `weights` at
-  `change.version`) per rank slot of every cell joining rollout, and return those ranks
-  (started) with what the change cost in seconds (`RoleChangeResult.cost`: `move_s`, `join_s`,
-  any further numbers). The controller then adds the ranks, syncs weights to every live rank,
-  and logs one `role_change` record with the plan's reason, the drain time and that cost.
-  The real implementation is `tiderl.runtime.elastic.CellRuntime`; a virtual-time one charges loop time.
-- `Hooks.compile_stats() -> {"compiles": n, "compile_s": s}` (optional, cumulative): lets the
-  record count compilations during the change and during the step after it.
-- The trainer port may offer `uses_ref` (bool: the loss has a KL term), `cost_model(m_actor)
-  -> tiderl.train.ra2p.CostModel` (measured phase costs; gives the break-even RAS) and
-  `advise_mode(ready_times, m_actor) -> ra2p.ModeChoice`; without them the Ref counts as used
-  and the RA2P advice is the current mode. `m_actor` is the number of trainer cells.
-- `Controller(..., planner=ERSPlanner(cfg), cells=CellMap(...), ranks_per_cell=k,
-  ref_mode="decoupled" | "colocated")` — nothing else changes; a hook-less run keeps its roles.
-- The planner sees only `Signals` and the `CellMap`; it keeps its own hysteresis state and is
-  deterministic, so a replayed trace gives the same plans.
+The cells, signals and plans it works on, and the contract of a role change
+(`Hooks.apply_roles`), are `tiderl.control.plans`; the planners without rules (`KeepSplit`,
+`ScriptedPlanner`) are `tiderl.control.fixed_plans`, and `make_planner` below picks one.
 
 Calling the planner directly (a simulator that runs its own loop): one planner object per run
 (it holds the hysteresis), one call per sync boundary, JAX-free:
 
-    from tiderl.control.ers import CellMap, ERSConfig, ERSPlanner, Signals
+    from tiderl.control.ers import ERSConfig, ERSPlanner
+    from tiderl.control.plans import CellMap, Signals
     planner = ERSPlanner(ERSConfig(patience=2, cooldown=3))          # controller.elastic
     cells = CellMap(("rollout", "rollout", "trainer", "ref"))       # cell id = index
     plan = planner.plan(Signals(step=0, cold_start=True), cells)    # before any rollout
@@ -54,16 +24,14 @@ any object with its deficit fields); `Signals(...)` can also be filled by hand. 
 trained per second of its own compute in the last step) lets the planner size a move; without
 it every deficit moves one cell.
 
-`ScriptedPlanner` (`controller.elastic.script`) replaces the rules by a fixed sequence of
-role maps, one per named boundary, for tests and for replaying a trace.
-
 Rules of `ERSPlanner` (each plan carries its reason):
 
 1. Cold start (before any rollout): lend rollout what an empty buffer leaves idle — every Ref
    cell (RAS = 0 is below any RA2P break-even, so colocated) and `cold_start_cells` trainer
    cells (default 0; -1 lends every movable cell, the paper's maximal preemption), one more
-   when an evaluation runs during the first step (rule 3). At the first boundary the lent trainer cells return, all at once, unless generation is then the
-   deficit; then as many stay as the rates say rollout needs.
+   when an evaluation runs during the first step (rule 3). At the first boundary the lent
+   trainer cells return, all at once, unless generation is then the deficit; then as many stay
+   as the rates say rollout needs.
 2. A Ref cell whose Ref runs no forward (no KL term) joins rollout.
 3. Evaluation: at the boundary that starts an evaluation (it runs during the next step) one
    cell moves to rollout preemptively; at the next boundary it returns unless generation is
@@ -93,13 +61,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from tiderl.configlib import ConfigError
 from tiderl.control.ers_rates import RateModel
-
-ROLES = ("rollout", "trainer", "ref")
-Role = Literal["rollout", "trainer", "ref"]
+from tiderl.control.fixed_plans import KeepSplit, ScriptedPlanner, script_steps
+from tiderl.control.plans import (
+    CellMap,
+    Move,
+    Planner,
+    RoleChangeResult,  # noqa: F401  (the simulator's `has_cells` looks for it here)
+    ScalingPlan,
+    Signals,
+    ref_mode_of,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,189 +156,6 @@ class ERSConfig:
         if self.max_move_cells < 0:
             raise ConfigError("config key 'controller.elastic.max_move_cells' must be >= 0 "
                               "(0: up to half of the giving role's cells)")
-
-
-@dataclasses.dataclass(frozen=True)
-class CellMap:
-    """The role of every cell (cell id = index into `roles`)."""
-
-    roles: tuple[str, ...]
-
-    def __post_init__(self):
-        bad = [r for r in self.roles if r not in ROLES]
-        if bad:
-            raise ValueError(f"cell roles must be one of {ROLES}, got {bad}")
-
-    def cells(self, role: str) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.roles) if r == role)
-
-    def count(self, role: str) -> int:
-        return sum(r == role for r in self.roles)
-
-    def with_role(self, cell: int, role: str) -> CellMap:
-        roles = list(self.roles)
-        roles[cell] = role
-        return CellMap(tuple(roles))
-
-    def describe(self) -> dict[str, list[int]]:
-        return {r: list(self.cells(r)) for r in ROLES}
-
-
-@dataclasses.dataclass(frozen=True)
-class Move:
-    cell: int
-    src: str
-    dst: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalingPlan:
-    """What the roles should be for the next step, and why."""
-
-    cells: CellMap
-    moves: tuple[Move, ...] = ()
-    reason: str = "keep"
-    rule: str = "keep"
-    """keep | cold_start | cold_return | no_ref | eval | eval_return | consumption | generation |
-    hold (a deficit no move pays for) | ra2p | scripted"""
-    ref_mode: str = "colocated"
-    """RA2P mode for the next step: decoupled (Ref on the ref cells) or colocated."""
-    effect: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    """What the planner predicts this plan's move buys (`predicted_*`, `move_cost_s`) and,
-    once measured, what the previous move realised (`realised`): `RateModel`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleChange:
-    """A plan the controller is carrying out (see the module docstring)."""
-
-    step: int
-    version: int
-    before: CellMap
-    after: CellMap
-    moves: tuple[Move, ...]
-    ref_mode: str
-    reason: str
-    ranks_per_cell: int = 1
-
-    def joining_rollout(self) -> list[int]:
-        return [m.cell for m in self.moves if m.dst == "rollout"]
-
-    def rank_ids(self, cell: int) -> list[int]:
-        k = self.ranks_per_cell
-        return list(range(cell * k, cell * k + k))
-
-
-@dataclasses.dataclass
-class RoleChangeResult:
-    """What `Hooks.apply_roles` returns: started ranks for the cells joining rollout, and costs."""
-
-    ranks: list[Any] = dataclasses.field(default_factory=list)
-    cost: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Signals:
-    """What the planner reads at a boundary (the buffer's `Readiness` plus the run's state)."""
-
-    step: int = 0
-    cold_start: bool = False
-    eval_next: bool = False
-    """An evaluation starts now and runs during the next step."""
-    uses_ref: bool = True
-    """The loss has a KL term (a Ref forward runs)."""
-    ras_next: int = 0
-    """Micro-batches ready now (the next step's RAS if it started now)."""
-    break_even_ras: int = 0
-    """The RA2P break-even: from this RAS on, decoupled beats colocated."""
-    ra2p_mode: str = "colocated"
-    """The cost model's advice for the next step (C_dec vs C_col)."""
-    generation_deficit: bool = False
-    consumption_deficit: bool = False
-    """Data waits for the trainer (head-of-line latency over τ·T_step, or rollout throttled)."""
-    above_break_even: bool = False
-    """RAS now is at or above the RA2P break-even (with a Ref forward to run)."""
-    deficit_reason: str = ""
-    pinned: frozenset[int] = frozenset()
-    """Cells never moved (e.g. a rollout rank there failed)."""
-    gen_rate: float = float("nan")
-    """Trainable groups per second arriving from rollout (the buffer's `gen_rate`)."""
-    train_rate: float = float("nan")
-    """Groups per second the trainer trains while computing (its last step's groups over
-    its step time less TWT): the consumption capacity at the current width."""
-    twt_frac: float = 0.0
-    """Share of the last step the trainer waited for data."""
-    rwt_frac: float = 0.0
-    """Share of the interval since the previous boundary rollout sat throttled."""
-    hol_limit_s: float = float("inf")
-    """τ·T_step (the buffer's head-of-line limit): gives the planner the step time."""
-    move_cost_s: float = float("nan")
-    """Seconds a role change costs (drain, weight loads, join), when the caller knows it."""
-    ref_pace: float = float("inf")
-    """Actor cells one Ref cell keeps pace with in decoupled mode: (t_act_f + t_act_b) / t_ref
-    of the trainer's measured phase costs (a Ref forward is about a third of an Actor's forward
-    and backward: 2 against 6 FLOPs per parameter per token, so about 3). A Ref cell serving
-    more Actor cells than this makes the Ref the pipeline's bottleneck. inf: unknown."""
-
-    @classmethod
-    def from_readiness(cls, r: Any, *, step: int, eval_next: bool = False,
-                       cold_start: bool = False, uses_ref: bool = True,
-                       ra2p_mode: str | None = None, train_rate: float = float("nan"),
-                       ref_pace: float = float("inf"),
-                       pinned: frozenset[int] = frozenset()) -> Signals:
-        """The planner's view of a boundary's `Readiness` (`ReadinessBuffer.boundary`), plus
-        the run's state the buffer does not know. `ra2p_mode`: the cost model's advice (None:
-        decoupled when RAS is at or above the break-even, else colocated); `train_rate`: the
-        trainer's groups per second of compute (without it the planner moves one cell at a
-        time)."""
-        if ra2p_mode is None:
-            ra2p_mode = "decoupled" if r.above_break_even else "colocated"
-        return cls(step=step, cold_start=cold_start, eval_next=eval_next, uses_ref=uses_ref,
-                   ras_next=r.ras_next, break_even_ras=r.break_even_ras, ra2p_mode=ra2p_mode,
-                   generation_deficit=r.generation_deficit,
-                   consumption_deficit=r.consumption_deficit,
-                   above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
-                   pinned=pinned, ref_pace=ref_pace,
-                   gen_rate=float(getattr(r, "gen_rate", float("nan"))),
-                   train_rate=train_rate, twt_frac=float(getattr(r, "twt_frac", 0.0)),
-                   rwt_frac=float(getattr(r, "rwt_frac", 0.0)),
-                   hol_limit_s=float(getattr(r, "hol_limit_s", float("inf"))))
-
-
-class Planner(Protocol):
-    def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan: ...
-
-
-class KeepSplit:
-    """Keeps the cells where they are (every fixed-ratio baseline, and ERS off). With
-    `ra2p_live`, the RA2P mode follows the cost model's advice (held `patience` boundaries)
-    on the cells as they are: a reserved Ref cell serves when decoupled and idles otherwise."""
-
-    def __init__(self, *, ra2p_live: bool = False, patience: int = 2,
-                 ref_mode: str | None = None):
-        self.ra2p_live = ra2p_live
-        self.patience = patience
-        self.ref_mode = ref_mode
-        self._streak = 0
-        self._settle = True  # the run's first boundary (compilation) and one after a switch
-
-    def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
-        have_ref = cells.count("ref") > 0
-        mode = self.ref_mode or ("decoupled" if have_ref else "colocated")
-        if not self.ra2p_live or not have_ref:
-            return ScalingPlan(cells, ref_mode=mode)
-        want = signals.ra2p_mode if signals.uses_ref else "colocated"
-        if signals.cold_start or self._settle:
-            self._settle = signals.cold_start
-            self._streak = 0
-            return ScalingPlan(cells, ref_mode=mode)
-        self._streak = self._streak + 1 if want != mode else 0
-        if self._streak >= self.patience:
-            self.ref_mode, self._streak, self._settle = want, 0, True
-            return ScalingPlan(cells, ref_mode=want, rule="ra2p",
-                               reason=f"RA2P: {want} (cost model advice held {self.patience} "
-                                      "boundaries); cells unchanged (ERS off)")
-        return ScalingPlan(cells, ref_mode=mode)
 
 
 class ERSPlanner:
@@ -455,7 +247,7 @@ class ERSPlanner:
                  "cells " + ", ".join(str(m.cell) for m in moves))
         reason = reason.replace("{n}", f"{len(moves)} cell{'s' if len(moves) > 1 else ''}")
         return ScalingPlan(after, tuple(moves), reason=f"{reason}: {which} {src} → {dst}",
-                           rule=rule, ref_mode=_ref_mode(after))
+                           rule=rule, ref_mode=ref_mode_of(after))
 
     def _ref_keeps_up(self, s: Signals, cells: CellMap) -> bool:
         """A dedicated Ref (one cell, from rollout) pays only when it keeps pace with the Actor
@@ -568,7 +360,7 @@ class ERSPlanner:
                  f"against a move of {pred['move_cost_s']:.3g} s")
         if not pred["pays"]:
             self._con = self._gen = 0
-            return ScalingPlan(cells, rule="hold", ref_mode=_ref_mode(cells), effect=pred,
+            return ScalingPlan(cells, rule="hold", ref_mode=ref_mode_of(cells), effect=pred,
                                reason=f"{reason}{words}: no move pays, roles kept")
         p = self._move(cells, src, dst, s, rule=rule, n=abs(pred["cells_to_rollout"]),
                        reason=f"{reason}{words}: {dst} +{{n}}")
@@ -592,7 +384,7 @@ class ERSPlanner:
             self.home = cells.roles
         self._since_last += 1
         s, c = signals, self.cfg
-        keep = ScalingPlan(cells, ref_mode=_ref_mode(cells))
+        keep = ScalingPlan(cells, ref_mode=ref_mode_of(cells))
         if s.cold_start:
             self._settle = "start"
             return self._cold_start(s, cells) if c.cold_start else keep
@@ -682,13 +474,13 @@ class ERSPlanner:
                 moves.append(Move(cell, src, "rollout"))
                 after = after.with_role(cell, "rollout")
         if not moves:
-            return ScalingPlan(cells, ref_mode=_ref_mode(cells))
+            return ScalingPlan(cells, ref_mode=ref_mode_of(cells))
         self._lent = tuple(m for m in moves if m.src == "trainer")
         self._since_last = math.inf  # nothing to undo: the steady-state rules start fresh
         return ScalingPlan(after, tuple(moves), rule="cold_start",
                            reason="cold start: preemptive rollout allocation while the buffer "
                                   f"is empty ({len(moves)} cells → rollout)",
-                           ref_mode=_ref_mode(after))
+                           ref_mode=ref_mode_of(after))
 
     def _cold_return(self, s: Signals, cells: CellMap, gen: bool) -> ScalingPlan | None:
         """The first boundary after a cold start: the lent trainer cells return, unless
@@ -715,61 +507,6 @@ class ERSPlanner:
                                  f"{len(lent)} lent cells return")
 
 
-def script_steps(script: Sequence[str]) -> dict[int, tuple[str, ...]]:
-    """`controller.elastic.script` parsed: boundary step → the roles of every cell."""
-    out: dict[int, tuple[str, ...]] = {}
-    for entry in script:
-        step, sep, roles = str(entry).partition(":")
-        cells = tuple(r.strip() for r in roles.split(",") if r.strip())
-        if not sep or not step.strip().isdigit() or not cells or any(r not in ROLES
-                                                                     for r in cells):
-            raise ConfigError(f"config key 'controller.elastic.script' entry {entry!r} is not "
-                              "'STEP:ROLE,ROLE,...' with roles from " + "/".join(ROLES) +
-                              " (e.g. '2:rollout,trainer,trainer,trainer')")
-        if "trainer" not in cells:
-            raise ConfigError(f"config key 'controller.elastic.script' entry {entry!r} leaves "
-                              "no trainer cell; keep at least one")
-        if int(step) in out:
-            raise ConfigError(f"config key 'controller.elastic.script' names step {step} twice")
-        out[int(step)] = cells
-    return out
-
-
-class ScriptedPlanner:
-    """Takes the roles `controller.elastic.script` names at its steps, and keeps them
-    otherwise (no cold start, no bounds, no hysteresis): a reproducible role sequence."""
-
-    def __init__(self, script: Sequence[str]):
-        self.steps = script_steps(script)
-
-    def check(self, cells: CellMap, *, ref_ok: bool = True) -> None:
-        """A ConfigError unless every scripted map has one role per cell of `cells` (and,
-        `ref_ok` False, no Ref cell)."""
-        for step, roles in self.steps.items():
-            if len(roles) != len(cells.roles):
-                raise ConfigError(
-                    f"config key 'controller.elastic.script' step {step} names {len(roles)} "
-                    f"cells; this run has {len(cells.roles)} ({','.join(cells.roles)})")
-            if not ref_ok and "ref" in roles:
-                raise ConfigError(
-                    f"config key 'controller.elastic.script' step {step} makes a Ref cell; "
-                    "a decoupled Ref is not supported on several processes (use rollout and "
-                    "trainer only)")
-
-    def plan(self, signals: Signals, cells: CellMap) -> ScalingPlan:
-        roles = self.steps.get(signals.step) if not signals.cold_start else None
-        if roles is None or len(roles) != len(cells.roles):
-            return ScalingPlan(cells, ref_mode=_ref_mode(cells))
-        after = CellMap(roles)
-        return ScalingPlan(after, moves_between(cells, after), rule="scripted",
-                           reason=f"scripted (controller.elastic.script, step "
-                                  f"{signals.step})", ref_mode=_ref_mode(after))
-
-
-def _ref_mode(cells: CellMap) -> str:
-    return "decoupled" if cells.count("ref") else "colocated"
-
-
 def make_planner(ers: bool, cfg: ERSConfig, *, ra2p_live: bool,
                  patience: int | None = None) -> Planner:
     """ERS on: the readiness-aware planner (or the scripted one, `controller.elastic.script`).
@@ -779,13 +516,3 @@ def make_planner(ers: bool, cfg: ERSConfig, *, ra2p_live: bool,
     if ers:
         return ERSPlanner(cfg)
     return KeepSplit(ra2p_live=ra2p_live, patience=patience or cfg.patience)
-
-
-def moves_between(before: CellMap, after: CellMap) -> tuple[Move, ...]:
-    return tuple(Move(i, a, b) for i, (a, b) in enumerate(zip(before.roles, after.roles,
-                                                               strict=True)) if a != b)
-
-
-def initial_cells(counts: Sequence[tuple[str, int]]) -> CellMap:
-    """A map from (role, cells) in device order, e.g. [("rollout", 1), ("trainer", 2)]."""
-    return CellMap(tuple(r for r, n in counts for _ in range(n)))

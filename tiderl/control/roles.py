@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tiderl.control.ers import CellMap, Move, RoleChange, RoleChangeResult, ScalingPlan
+from tiderl.control.plans import CellMap, Move, RoleChange, RoleChangeResult, ScalingPlan
 
 log = logging.getLogger(__name__)
 

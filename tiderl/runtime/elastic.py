@@ -1,6 +1,6 @@
 """The JAX side of elastic scaling: cells become meshes and rollout ranks, role changes move them.
 
-`CellRuntime.apply_roles` is the real `Hooks.apply_roles` (contract in `tiderl.control.ers`):
+`CellRuntime.apply_roles` is the real `Hooks.apply_roles` (contract in `tiderl.control.plans`):
 
 - the Actor's mesh is `(data = trainer cells, fsdp, model)` over the trainer cells' devices in
   cell order; params and optimizer state are sharded on fsdp/model and replicated on data, so a
@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult
+from tiderl.control.plans import CellMap, RoleChange, RoleChangeResult
 from tiderl.models.sharding import make_mesh
 from tiderl.runtime.devices import CellLayout
 from tiderl.train.ref_actor import dp_size

@@ -17,8 +17,9 @@ from tiderl.config import VISION_PROCESSES, RunConfig
 from tiderl.configlib import ConfigError, to_dict
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.controller import Controller, Hooks, NonFiniteStop, StarvedStop
-from tiderl.control.ers import CellMap, initial_cells, make_planner
+from tiderl.control.ers import make_planner
 from tiderl.control.metrics import MetricsSink
+from tiderl.control.plans import CellMap, initial_cells
 from tiderl.control.progress import starvation_advice
 from tiderl.control.samples import SampleWriter
 from tiderl.envs.config import with_default_token

@@ -40,7 +40,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from tiderl.control.ers import CellMap, RoleChange, RoleChangeResult
+from tiderl.control.plans import CellMap, RoleChange, RoleChangeResult
 from tiderl.models.sharding import make_mesh
 from tiderl.runtime.cells import Cell, RoleMap
 from tiderl.runtime.devices import CellLayout

@@ -188,7 +188,7 @@ class SpmdTrainer(TrainerBackend):
         """A role change (module docstring) to the cell roles `cells`; returns the weights of
         this process's ranks among `joining` (rank id → params in the rank's layout) and
         the change's costs."""
-        from tiderl.control.ers import CellMap
+        from tiderl.control.plans import CellMap
 
         if self.cells is None or self.make_syncer is None:
             raise RuntimeError("a role change on a process without cells (controller.ers)")
