@@ -38,9 +38,10 @@ from flax import nnx  # noqa: E402
 
 from tiderl.models.hf import from_pretrained  # noqa: E402
 from tiderl.serving.config import RolloutConfig  # noqa: E402
-from tiderl.serving.engine import Engine, make_step  # noqa: E402
+from tiderl.serving.engine import Engine  # noqa: E402
 from tiderl.serving.kv import DenseKV  # noqa: E402
 from tiderl.serving.sampling import sample, token_keys  # noqa: E402
+from tiderl.serving.steps import make_step  # noqa: E402
 
 QWEN2_TINY = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32,

@@ -235,7 +235,8 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
 
     from tiderl.models.policy import init_policy
     from tiderl.serving.config import RolloutConfig
-    from tiderl.serving.engine import Engine, PrefillRequest, make_step
+    from tiderl.serving.engine import Engine, PrefillRequest
+    from tiderl.serving.steps import make_step
     from tiderl.serving.weights import serving_weights
 
     res = Result(f"decode+prefill {shape}")

@@ -163,7 +163,7 @@ def test_a_long_run_keeps_its_bookkeeping_bounded(tmp_path):
 
 
 def test_kernel_caches_are_bounded():
-    from tiderl.serving.engine import make_step
+    from tiderl.serving.steps import make_step
     from tiderl.train import backend
 
     for k in range(1, 41):  # 40 sampling configs: jit objects only, nothing compiles

@@ -75,35 +75,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
 from tiderl.serving.config import RolloutConfig
-from tiderl.serving.imagefeed import (
-    ImageFeatures,
-    make_encoder,
-    make_mm_inputs,
-    needed_spans,
-    text_delta,
-)
-from tiderl.serving.kv import (
-    KVPools,
-    PagedKV,
-    copy_pages,
-    init_pools,
-    pool_pages,
-    resolve_decode_attention,
-)
-from tiderl.serving.mrope import ImageSpan, context_key, spans_in
+from tiderl.serving.imagefeed import make_encoder, make_mm_inputs
+from tiderl.serving.kv import KVPools, init_pools, pool_pages, resolve_decode_attention
+from tiderl.serving.mrope import ImageSpan
 from tiderl.serving.pages import (
     EngineCounters,
     PageAllocator,
@@ -115,14 +99,22 @@ from tiderl.serving.pages import (
     StopReason,
     fork_children,
 )
-from tiderl.serving.sampling import sample, token_keys
+from tiderl.serving.prefill import Prefilling
 from tiderl.serving.share import SiblingSharing
 from tiderl.serving.share import bucket as _bucket
+from tiderl.serving.steps import (
+    cell_of,
+    copy_pages_fn,
+    make_sampler,
+    make_step,
+    pool_sharding_for,
+    replicated,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeState", "Engine", "Prefix", "PrefillRequest", "ResultTokens", "StopReason",
-           "PoolExhaustedError", "StaleKVError", "make_step"]
+           "PoolExhaustedError", "StaleKVError"]
 
 
 @dataclasses.dataclass
@@ -133,124 +125,13 @@ class DecodeState:
     slots: list[Prefix | None]
 
 
-@functools.lru_cache(maxsize=32)  # bounded: a long-lived process must not pile up executables
-def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, top_k: int,
-              top_p: float, keep_logits: bool, pool_sharding: Any = None,
-              banned: tuple[int, ...] = ()):
-    """Jitted forward-and-sample over pages; pools donated. Retraces only on a new (B, T) or
-    page-table width (the engine passes a few widths: `Engine._table_width`).
-
-    Cached on its static arguments so engines of one model in one process share compiled code;
-    the returned function's `trace_counts` counts traces per (kind, B, T, W). `pool_sharding`
-    (a tensor-parallel engine's pool sharding over its cell) pins the donated pools' output
-    sharding to their input's, so XLA cannot hand back another layout (a recompile per call).
-    """
-    trace_counts: collections.Counter = collections.Counter()
-
-    def step(params, pools, run_key, tokens_bt, start_b, n_new_b, page_table_bp, task_ids_b,
-             temperature_b, delta_b, positions_bt3=None, inputs=None):
-        # Python side effect: runs once per trace.
-        name = kind if positions_bt3 is None else kind + "+image"
-        trace_counts[(name, *tokens_bt.shape, page_table_bp.shape[1])] += 1
-        model = nnx.merge(graphdef, params)
-        # Text at token index + the task's M-RoPE delta (0 without images, as plain RoPE); a
-        # chunk holding image placeholders comes with its [B, T, 3] positions and embeddings.
-        positions_bt = ((start_b + delta_b)[:, None] + jnp.arange(tokens_bt.shape[1])
-                        if positions_bt3 is None else positions_bt3)
-        cache = PagedKV(pools, page_table_bp, start_b, n_new_b, impl=impl, interpret=interpret)
-        last_b = jnp.maximum(n_new_b - 1, 0)
-        if hasattr(model, "hidden_states") and hasattr(model, "logits"):
-            kw = {} if inputs is None else {"inputs_btd": inputs[0], "layer_adds": inputs[1]}
-            # The head only where a token is sampled: B×V logits, never B×T×V.
-            h_btd, cache = model.hidden_states(tokens_bt, positions_bt, jnp.ones_like(tokens_bt),
-                                               cache=cache, **kw)
-            h_b1d = jnp.take_along_axis(h_btd, last_b[:, None, None], axis=1)
-            logits_bv = model.logits(h_b1d)[:, 0]
-        else:  # a custom policy: full logits, then the sampled position's
-            logits_btv, cache = model(tokens_bt, positions_bt, jnp.ones_like(tokens_bt),
-                                      cache=cache)
-            logits_bv = jnp.take_along_axis(logits_btv, last_b[:, None, None], axis=1)[:, 0]
-        logits_bv = logits_bv.astype(jnp.float32)
-        # The sampled token's position is the one after the last token fed.
-        keys_b = token_keys(run_key, task_ids_b, start_b + n_new_b)
-        tokens_b, logprob_b = sample(logits_bv, keys_b, temperature_b, top_k=top_k, top_p=top_p,
-                                     banned=banned)
-        # Token and logprob bits in one int32 array: one device→host copy per step.
-        packed_b2 = jnp.stack([tokens_b, jax.lax.bitcast_convert_type(logprob_b, jnp.int32)], 1)
-        # Prefill keeps its logits on the device: siblings with the same context sample from
-        # them (prefix sharing) instead of recomputing the last token.
-        return cache.pools, packed_b2, (logits_bv if keep_logits or kind == "prefill" else None)
-
-    out = None if pool_sharding is None else (pool_sharding, _replicated(pool_sharding), None)
-    jitted = jax.jit(step, donate_argnums=(1,), out_shardings=out)
-    jitted.trace_counts = trace_counts
-    return jitted
-
-
-@functools.lru_cache(maxsize=8)
-def make_sampler(*, top_k: int, top_p: float, banned: tuple[int, ...] = ()):
-    """Jitted sampling from given logits rows: a sibling whose context another task's prefill
-    just computed samples its own first token (its own key) from those logits."""
-    trace_counts: collections.Counter = collections.Counter()
-
-    def sample_rows(logits_nv, run_key, task_ids_n, positions_n, temperature_n):
-        trace_counts[("sample", logits_nv.shape[0])] += 1
-        keys_n = token_keys(run_key, task_ids_n, positions_n)
-        tokens_n, logprob_n = sample(logits_nv.astype(jnp.float32), keys_n, temperature_n,
-                                     top_k=top_k, top_p=top_p, banned=banned)
-        return jnp.stack([tokens_n, jax.lax.bitcast_convert_type(logprob_n, jnp.int32)], 1)
-
-    jitted = jax.jit(sample_rows)
-    jitted.trace_counts = trace_counts
-    return jitted
-
-
-def _replicated(sharding: NamedSharding) -> NamedSharding:
-    return NamedSharding(sharding.mesh, PartitionSpec())
-
-
-@functools.lru_cache(maxsize=32)
-def _copy_pages_fn(pool_sharding: Any = None):
-    return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=pool_sharding)
-
-
-def cell_of(params: Any) -> tuple[Any, Any]:
-    """(device, None) for params on one device, (None, mesh) for params sharded over one mesh
-    (a tensor-parallel rank's cell); anything else is an error naming the fix."""
-    leaves = jax.tree_util.tree_leaves(params)
-    devices = {d for x in leaves for d in x.devices()}
-    if len(devices) == 1:
-        return devices.pop(), None
-    meshes = {getattr(x.sharding, "mesh", None) for x in leaves}
-    if len(meshes) != 1 or None in meshes or set(next(iter(meshes)).devices.flat) != devices:
-        raise ValueError(
-            f"Engine params span {len(devices)} devices but not one mesh over exactly those "
-            "devices; place them with jax.device_put(params, device) for one device, or with "
-            "NamedShardings of the rank's mesh (rollout.devices_per_rank > 1)")
-    mesh = meshes.pop()
-    if "model" not in mesh.shape or mesh.shape["model"] != len(devices):
-        raise ValueError(f"a tensor-parallel engine needs a mesh whose 'model' axis spans its "
-                         f"{len(devices)} devices; got mesh axes {dict(mesh.shape)}")
-    return None, mesh
-
-
-def pool_sharding_for(mesh: Any, n_kv_heads: int) -> NamedSharding:
-    """KV pools `[K, P+1, S, Dh]` sharded on kv heads over the cell's 'model' axis (as the
-    k/v projections are), replicated when the heads do not divide."""
-    n = mesh.shape["model"]
-    if n_kv_heads % n:
-        log.warning("model.n_kv_heads=%d does not divide over rollout.devices_per_rank=%d: the "
-                    "KV pools are replicated on every device of the rank", n_kv_heads, n)
-    return NamedSharding(mesh, PartitionSpec("model" if n_kv_heads % n == 0 else None))
-
-
 def _spec(params) -> tuple[Any, list[tuple]]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     return treedef, [(jax.tree_util.keystr(p), x.shape, x.dtype, getattr(x, "sharding", None))
                      for p, x in leaves]
 
 
-class Engine:
+class Engine(Prefilling):
     """Paged-KV rollout engine for one rank (see the module docstring for the contract)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, model_cfg: ModelConfig,
@@ -265,7 +146,7 @@ class Engine:
         self.device, self.mesh = cell_of(params)
         self.pool_sharding = (None if self.mesh is None
                               else pool_sharding_for(self.mesh, model_cfg.n_kv_heads))
-        placement = self.device if self.mesh is None else _replicated(self.pool_sharding)
+        placement = self.device if self.mesh is None else replicated(self.pool_sharding)
         first = self.device if self.mesh is None else self.mesh.devices.flat[0]
         on_gpu = first.platform == "gpu"
         self.attention = resolve_decode_attention(
@@ -304,7 +185,7 @@ class Engine:
         """id(handle) -> the spans of the images a prefill call appends (until committed)."""
         self.sharing = SiblingSharing(self)
         """Prefix sharing of GRPO siblings (it keeps recent group prompts' logits)."""
-        self._copy_fn = _copy_pages_fn(self.pool_sharding)
+        self._copy_fn = copy_pages_fn(self.pool_sharding)
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
         self.state: DecodeState | None = None
@@ -353,186 +234,6 @@ class Engine:
                 self._drop_kv(h, "version")
         return dropped
 
-    # -- the JetStream contract ----------------------------------------------------------------
-    def prefill(self, params, existing_prefix: Prefix | None, tokens, true_length: int, *,
-                task_id: int | None = None, temperature: float | None = None,
-                max_action_tokens: int | None = None, images=None) -> Prefix:
-        """Appends tokens[:true_length] to the task's context (with `images`, the images of
-        its placeholder runs), computes missing KV, samples."""
-        req = PrefillRequest(existing_prefix, tokens, true_length, task_id=task_id,
-                             temperature=temperature, max_action_tokens=max_action_tokens,
-                             images=images)
-        return self.prefill_many(params, [req])[0]
-
-    def prefill_many(self, params, requests: list[PrefillRequest]) -> list[Prefix]:
-        """`prefill` for several tasks in shared device calls (rows padded to a decode bucket).
-
-        All-or-nothing on capacity: if the pages or slots for every request do not fit,
-        PoolExhaustedError is raised before anything is allocated.
-        """
-        self._check_params(params)
-        self._state()
-        handles, news, spans = self._take_requests(requests)
-        self._incoming = {id(h): sp for h, sp in zip(handles, spans, strict=True) if sp}
-        try:
-            return self._prefill_handles(requests, handles, news)
-        finally:
-            self._incoming = {}
-
-    def _prefill_handles(self, requests, handles, news) -> list[Prefix]:
-        """`prefill_many` once its requests are validated (`_incoming` holds their images)."""
-        temps = [h.temperature if r.temperature is None else r.temperature
-                 for r, h in zip(requests, handles, strict=True)]
-        caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
-                for r, h in zip(requests, handles, strict=True)]
-        rows, follow, attached, prompts = self._plan_rows(requests, handles, news, temps, caps)
-        try:
-            self._check_capacity(rows, extra_slots=len(follow))
-        except PoolExhaustedError:
-            for h in attached:
-                self._close(h)
-            raise
-        # Pages and slots are taken here, but a handle's contents (tokens, action, logprobs)
-        # change only after the device calls succeed: if one raises, every handle is as it was
-        # and its task can migrate to another rank with exactly its unfed tokens.
-        copies = []
-        for h, _, start, end, *_ in rows:
-            self.ensure_slot(h)
-            copies += self.pages.reserve(h.slot, start, end)
-        self._apply_copies(copies)
-        results = self._compute_rows(rows)
-        for h, new, start, end, temp, cap in rows:
-            packed_2, logits_bv, i, host_v = results[id(h)]
-            self.counters.prompt_tokens_shared += start if h in attached else 0
-            if id(h) in prompts:
-                self.sharing.remember_logits(prompts[id(h)], logits_bv[i])
-            self.commit_prefill(h, new, start, end, temp, cap, packed_2, host_v)
-        if follow:
-            self.sharing.sample_followers(follow, results)
-        return handles
-
-    def _take_requests(self, requests: list[PrefillRequest]
-                       ) -> tuple[list[Prefix], list[list[int]], list[list[ImageSpan]]]:
-        """Each request's handle (a new one for a new task), new tokens and the spans of its
-        images; validates every request before touching any state."""
-        handles, news, spans = [], [], []
-        for r in requests:
-            new = [int(t) for t in np.asarray(r.tokens).reshape(-1)[: r.true_length]]
-            if len(new) != r.true_length:
-                raise ValueError(f"true_length={r.true_length} exceeds len(tokens)={len(new)}")
-            h = r.existing_prefix
-            if h is None:
-                if r.task_id is None:
-                    raise ValueError("prefill of a new task needs task_id= (it keys sampling)")
-                h = Prefix(task_id=r.task_id, temperature=self.cfg.temperature,
-                           max_action_tokens=self.cfg.max_action_tokens)
-            if not new and h.done:
-                raise ValueError(f"task {h.task_id}: its action already ended "
-                                 f"({h.stop_reason.name}); append the next observation")
-            if not new and not h.tokens:
-                raise ValueError(f"task {h.task_id}: nothing to prefill (empty context)")
-            if any(h is x for x in handles):
-                raise ValueError(f"task {h.task_id} appears twice in one prefill_many")
-            handles.append(h)
-            news.append(new)
-            v = self.vision
-            spans.append([] if v is None and not r.images else spans_in(
-                new, len(h.tokens), r.images, None if v is None else v.image_token_id,
-                1 if v is None else v.spatial_merge_size))
-        return handles, news, spans
-
-    def _spans(self, h: Prefix) -> list[ImageSpan]:
-        """The images of `h`'s context once this call's new tokens are in."""
-        return h.images + self._incoming.get(id(h), [])
-
-    def _plan_rows(self, requests, handles, news, temps, caps):
-        """Which handles compute (`rows`: handle, new tokens, start, end, temperature, action
-        cap) and which sample from a sibling's logits (`follow`: handle, new, end,
-        temperature, cap, source handle, kept logits or None); the handles that took a
-        sibling's pages (`attached`, undone on no room) and the first prefills whose logits
-        are kept for later siblings (`prompts`: id(handle) -> context)."""
-        rows: list[tuple] = []
-        follow: list[tuple] = []
-        attached: list[Prefix] = []
-        leaders: dict[tuple[int, ...], Prefix] = {}  # context -> the row computing it
-        prompts: dict[int, tuple[int, ...]] = {}
-        ps = self.cfg.page_size
-        for r, h, new, temp, cap in zip(requests, handles, news, temps, caps, strict=True):
-            end = len(h.tokens) + len(new)
-            if end + 1 > self.cfg.max_context:
-                h.stop_reason, h.decoding = StopReason.CONTEXT_LIMIT, False
-                continue
-            if h.slot is not None and h.kv_length and h.kv_version != self.version:
-                self._drop_kv(h, "version")  # stale KV is never attended
-            # Nothing missing (a forked sibling): recompute the last token to get its logits.
-            start = min(h.kv_length, end - 1)
-            if r.share is not None and not h.kv_length:
-                toks, spans = tuple(h.tokens) + tuple(new), self._spans(h)
-                ctx = context_key(toks, spans) if spans else toks
-                lead = leaders.get(ctx)
-                if lead is not None:  # a sibling in this call computes the same context
-                    follow.append((h, new, end, temp, cap, lead, None))
-                    continue
-                src, n = self.sharing.best_source(h, toks, r.share, spans)
-                logits = self.sharing.cached_logits(ctx) if src is not None and n == end \
-                    else None
-                if logits is not None:  # all resident at a sibling, logits kept: no compute
-                    follow.append((h, new, end, temp, cap, src, logits))
-                    continue
-                if src is not None and n >= ps:
-                    self.sharing.attach(h, src, n)
-                    attached.append(h)
-                    start = min(n, end - 1)
-                leaders[ctx] = h
-                if not h.tokens:
-                    prompts[id(h)] = ctx
-            rows.append((h, new, start, end, temp, cap))
-        return rows, follow, attached, prompts
-
-    def _compute_rows(self, rows: list[tuple]) -> dict[int, tuple]:
-        """The device calls of a prefill: long inputs advance one chunk per call, so rows
-        finish in different calls. id(handle) -> (packed sample, device logits, row, host
-        logits when keep_logits)."""
-        full = {id(h): h.tokens + new for h, new, *_ in rows}
-        temp_of = {id(h): temp for h, _, _, _, temp, _ in rows}
-        pos = {id(h): start for h, _, start, *_ in rows}
-        spans = {id(h): self._spans(h) for h, *_ in rows}
-        feats = self._image_features(rows, spans)
-        results: dict[int, tuple] = {}
-        chunk = self.cfg.prefill_buckets[-1]
-        while pending := [(h, end) for h, _, _, end, *_ in rows if pos[id(h)] < end]:
-            n = [min(chunk, end - pos[id(h)]) for h, end in pending]
-            t = _bucket(max(n), self.cfg.prefill_buckets)
-            b = _bucket(len(pending), self.cfg.decode_buckets)
-            tokens_bt = np.zeros((b, t), np.int32)
-            for i, (h, _) in enumerate(pending):
-                tokens_bt[i, : n[i]] = full[id(h)][pos[id(h)]: pos[id(h)] + n[i]]
-            image = None if feats is None else feats.chunk(
-                tokens_bt, [(spans[id(h)], pos[id(h)], n[i]) for i, (h, _) in enumerate(pending)])
-            packed, logits_bv = self._run(self._prefill_fn, [h for h, _ in pending], tokens_bt,
-                                          [pos[id(h)] for h, _ in pending], n, b,
-                                          temps=[temp_of[id(h)] for h, _ in pending],
-                                          delta=[text_delta(spans[id(h)], pos[id(h)])
-                                                 for h, _ in pending], image=image)
-            host = np.asarray(logits_bv) if self.keep_logits else None
-            for i, (h, end) in enumerate(pending):
-                pos[id(h)] += n[i]
-                if pos[id(h)] == end:
-                    results[id(h)] = (packed[i], logits_bv, i, None if host is None else host[i])
-        return results
-
-    def _image_features(self, rows: list[tuple], spans: dict[int, list[ImageSpan]]
-                        ) -> ImageFeatures | None:
-        """The vision tower over the images whose placeholders `rows` compute (None: none)."""
-        if self._encode_fn is None:
-            return None
-        need = needed_spans([(spans[id(h)], start, end) for h, _, start, end, *_ in rows])
-        if not need:
-            return None
-        feats = ImageFeatures(self._encode_fn, self._mm_fn, self.params, self.vision, need)
-        self.counters.images_encoded += feats.images
-        return feats
-
     # -- what prefix sharing uses (`share.SharingHost`) ----------------------------------------
     def ensure_slot(self, h: Prefix) -> None:
         """Gives `h` a slot if it has none and records it as that slot's task."""
@@ -567,22 +268,7 @@ class Engine:
         h.decoding = False
         self.counters.prefill_calls += 1
 
-    def _check_capacity(self, rows, *, extra_slots: int = 0) -> None:
-        slots = sum(h.slot is None for h, *_ in rows) + extra_slots
-        free_slots = int(np.count_nonzero(~self.pages.in_use))
-        if slots > free_slots:
-            raise PoolExhaustedError(
-                f"no free slot: {slots} new tasks but {free_slots} of rollout.max_slots="
-                f"{self.cfg.max_slots} free; raise rollout.max_slots or evict/free tasks")
-        ps = self.cfg.page_size
-        need = sum(-(-end // ps) if h.slot is None else self.pages.pages_needed(h.slot, start, end)
-                   for h, _, start, end, *_ in rows)
-        if need > self.pages.pages_free:
-            raise PoolExhaustedError(
-                f"KV page pool exhausted: prefill needs {need} pages, {self.pages.pages_free} "
-                f"free of rollout.num_pages={self.cfg.num_pages} (page_size={ps}); raise "
-                "rollout.num_pages, lower rollout.max_slots, or evict/pause tasks")
-
+    # -- the JetStream contract (prefill, prefill_many: `prefill.Prefilling`) -----------------
     def insert(self, prefix: Prefix, decode_state: DecodeState,
                slot: int | None = None) -> DecodeState:
         """Puts a prefilled task into the decode batch (moving its page table to `slot`)."""
@@ -616,13 +302,15 @@ class Engine:
                     f"but the engine is at {self.version}; call engine.flush() and prefill it "
                     "again")
         pos = [len(h.tokens) - 1 for h in active]
-        need = sum(self.pages.pages_needed(h.slot, p, p + 1) for h, p in zip(active, pos, strict=True))
+        need = sum(self.pages.pages_needed(h.slot, p, p + 1)
+                   for h, p in zip(active, pos, strict=True))
         if need > self.pages.pages_free:
             raise PoolExhaustedError(
                 f"KV page pool exhausted: this decode step needs {need} pages, "
                 f"{self.pages.pages_free} free of rollout.num_pages={self.cfg.num_pages}; "
                 "raise rollout.num_pages or pause/evict tasks")
-        copies = [c for h, p in zip(active, pos, strict=True) for c in self.pages.reserve(h.slot, p, p + 1)]
+        copies = [c for h, p in zip(active, pos, strict=True)
+                  for c in self.pages.reserve(h.slot, p, p + 1)]
         self._apply_copies(copies)
         b = _bucket(len(active), self.cfg.decode_buckets)
         tokens_bt = np.zeros((b, 1), np.int32)
