@@ -307,20 +307,13 @@ def test_the_simulator_runs_the_production_control_plane(small_runs):
     assert all(a["t_train_end"] <= b["t_rollout_start"] for a, b in zip(sync, sync[1:], strict=False))
 
 
-def test_ers_runs_through_the_one_hook_or_is_refused_clearly():
-    """With the production ERS planner in the build, a simulated job runs it: cells move
-    through the controller's role-change path, the SimTrainer's width follows the cell map and
-    no step is lost. Without it, asking for ERS is a clear error and fixed splits still run."""
-    from tiderl.configlib import ConfigError
+def test_ers_runs_through_the_one_hook():
+    """A simulated job runs the production ERS planner: cells move through the controller's
+    role-change path, the SimTrainer's width follows the cell map and no step is lost."""
+    from tiderl.control.ers import ERSPlanner
     from tiderl.sim.cluster import SimConfig, simulate_job
-    from tiderl.sim.virtual_ers import has_cells
 
     cfg = SimConfig(mode="tiderl", planner="ers", **{**SMALL, "steps": 3, "eval_every": 0})
-    if not has_cells():
-        with pytest.raises(ConfigError, match="ERSPlanner"):
-            simulate_job(cfg)
-        return
-    from tiderl.control.ers import ERSPlanner
 
     run = simulate_job(cfg)
     c = run.controller

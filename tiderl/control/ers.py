@@ -70,7 +70,6 @@ from tiderl.control.plans import (
     CellMap,
     Move,
     Planner,
-    RoleChangeResult,  # noqa: F401  (the simulator's `has_cells` looks for it here)
     ScalingPlan,
     Signals,
     ref_mode_of,

@@ -63,7 +63,7 @@ from tiderl.sim.envs import IMAGE, SimAgentEnv
 from tiderl.sim.run import SeedStream
 from tiderl.sim.trainer import SimMicroBatcher, SimTrainer
 from tiderl.sim.virtual_engine import SimEngine
-from tiderl.sim.virtual_ers import has_cells, wire
+from tiderl.sim.virtual_ers import wire
 from tiderl.sim.window import WindowedRollout
 from tiderl.sim.workloads import Sampler, workload
 
@@ -235,12 +235,8 @@ def _trainer(cfg: SimConfig, costs: SimCostModel, colocated: bool) -> SimTrainer
 def _layout(cfg: SimConfig, costs: SimCostModel, trainer: SimTrainer, batcher: Any,
             new_rank: Any, colocated: bool) -> tuple[dict[str, Any], Any]:
     """The controller's layout arguments and role-change hook (ERS's cells where it runs)."""
-    if cfg.mode == "sync" and has_cells():  # every GPU alternates: no split to change
+    if cfg.mode == "sync":  # every GPU alternates: no split to change
         return {}, None
-    if cfg.mode == "sync":
-        from tiderl.control.ers import Roles
-
-        return {"roles": Roles(cfg.ranks, trainer.actor_gpus, 0)}, None
     return wire(
         planner=cfg.planner, n_cells=cfg.gpus // cfg.gpus_per_rank, rollout_cells=cfg.ranks,
         ref_cells=0 if colocated else cfg.ref_gpus // cfg.gpus_per_rank,
@@ -298,7 +294,7 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
         return rank
 
     # With ERS every cell has a rank slot (slot = cell id); cells outside rollout start dead.
-    elastic = cfg.mode != "sync" and has_cells()
+    elastic = cfg.mode != "sync"
     n_slots = cfg.gpus // cfg.gpus_per_rank if elastic else cfg.ranks
     ranks: list[RolloutRank | None] = [await new_rank(i) for i in range(cfg.ranks)]
     ranks += [None] * (n_slots - cfg.ranks)

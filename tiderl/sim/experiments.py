@@ -12,10 +12,10 @@ JSONL) under `--out` (default `sim-results/NAME`), and ends with one JSON line.
     fig15   total RWT+TWT, ERS vs fixed ratios, 100 WebShop steps, one 8-GPU node
     ctb     one step of 1,312 WebShop tasks on one GPU: CTB vs fixed concurrency 1024 and 512
 
-ERS: where the build has the production ERS planner (`tiderl.sim.virtual_ers.has_cells()`), `fig8`'s
-tiderl, `fig15`'s ERS run and table2's +ERS and +CTB rows run it (`--planner ers`, the
-default then); without it those report ERS as pending and `fig8`'s tiderl is CTB + RA2P on a
-fixed split. `--planner module:Class` plugs in any other planner.
+ERS: `fig8`'s tiderl, `fig15`'s ERS run and table2's +ERS and +CTB rows run the production
+ERS planner (`--planner ers`, the default); with `--planner ''` those report ERS as pending and
+`fig8`'s tiderl is CTB + RA2P on a fixed split. `--planner module:Class` plugs in any other
+planner.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 from tiderl.sim.cluster import MODES, SimConfig, build_costs, ratio, simulate_job
 from tiderl.sim.trainer import SimMicroBatch, SimTrainer
-from tiderl.sim.virtual_ers import ERS, has_cells
+from tiderl.sim.virtual_ers import ERS
 from tiderl.sim.workloads import workload
 
 RATIOS = (0.125, 0.25, 0.5)
@@ -423,7 +423,7 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
     table(rows, ("method", "goodput k tok/s", "step gain", "paper k tok/s", "paper gain"))
     _say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
          "+37.7%); we compare against the values." + ("" if args.planner else
-         " +ERS is pending (no planner in this build), so +CTB is measured on top of +RA2P."))
+         " +ERS is pending (--planner ''), so +CTB is measured on top of +RA2P."))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(list(g), [v / 1e3 for v in g.values()])
@@ -608,8 +608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "own (fig8 webshop,alfworld; table2 osworld). A GUI workload runs fig8 "
                         "as the paper's Figure 10 (Qwen3-VL-4B)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--planner", default=ERS if has_cells() else "",
-                   help="'ers' (the production planner; the default where the build has it), "
+    p.add_argument("--planner", default=ERS,
+                   help="'ers' (the production planner, the default), "
                         "module:Class, or '' for fixed splits (fig8's tiderl, fig15, table2)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="simulate independent runs in this many worker processes (default: "

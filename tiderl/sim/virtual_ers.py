@@ -1,15 +1,10 @@
 """ERS in the simulator: the production planner and role-change path on virtual time. No JAX.
 
-A simulated job hands the controller its layout through one function, `wire(...)`:
-
-- with the cell-based ERS API in `tiderl.control.ers` (`CellMap`, `ERSPlanner`,
-  `RoleChangeResult`, and a controller that takes `cells=`), it returns the controller's
-  `planner`, `cells`, `ranks_per_cell` and `ref_mode` and the `Hooks.apply_roles` hook: the
-  controller drains the ranks of cells leaving rollout through CTB, and the hook moves the
-  `SimTrainer` (Actor width, decoupled Ref), starts a `RolloutRank` over a fresh `SimEngine` per
-  joining rank slot, and charges the moves' costs to the loop clock;
-- without it (a build whose planner only keeps the split: `Roles`/`KeepSplit`) it returns the
-  legacy `roles=` argument, and asking for ERS is a clear error naming what is missing.
+A simulated job hands the controller its layout through one function, `wire(...)`: it returns
+the controller's `planner`, `cells`, `ranks_per_cell` and `ref_mode` and the
+`Hooks.apply_roles` hook. The controller drains the ranks of cells leaving rollout through CTB,
+and the hook moves the `SimTrainer` (Actor width, decoupled Ref), starts a `RolloutRank` over a
+fresh `SimEngine` per joining rank slot, and charges the moves' costs to the loop clock.
 
 Cells: one cell is `gpus_per_rank` devices — one rollout rank, or that many trainer (or Ref)
 data-parallel devices. The initial map lists the rollout cells first (rank slot = cell id),
@@ -29,22 +24,12 @@ ERS = "ers"
 """`SimConfig.planner` value for the production readiness-aware planner."""
 
 
-def has_cells() -> bool:
-    """Whether this build has the cell-based ERS API (planner, role changes)."""
-    ers = importlib.import_module("tiderl.control.ers")
-    return all(hasattr(ers, n) for n in ("CellMap", "ERSPlanner", "RoleChangeResult"))
-
-
 def load_planner(spec: str) -> Any:
     """`ers`: the production ERS planner (default bounds); `module:Class`: any planner class;
     '': None (the controller keeps the split)."""
     if not spec:
         return None
     if spec == ERS:
-        if not has_cells():
-            raise ConfigError("sim planner 'ers' needs the ERS planner (tiderl.control.ers."
-                              "ERSPlanner with CellMap and RoleChangeResult), which this build "
-                              "lacks; run without --planner or on a build that has it")
         from tiderl.control import ers
 
         return ers.ERSPlanner(ers.ERSConfig())
@@ -75,11 +60,7 @@ def wire(*, planner: str, n_cells: int, rollout_cells: int, ref_cells: int, gpus
 
         if math.isnan(chosen.move_cost_s):
             chosen.move_cost_s = trainer.costs.role_change() + join_cost_s
-    if not has_cells():
-        from tiderl.control.ers import Roles
-
-        return {"roles": Roles(rollout_cells, actor_gpus, ref_gpus), "planner": chosen}, None
-    from tiderl.control.ers import CellMap, RoleChangeResult
+    from tiderl.control.plans import CellMap, RoleChangeResult
 
     cells = CellMap(tuple(["rollout"] * rollout_cells + ["ref"] * ref_cells
                           + ["trainer"] * trainer_cells))
