@@ -376,3 +376,26 @@ def test_banned_tokens_are_never_sampled_and_logprobs_stay_full_vocabulary():
     masked = logits.copy()
     masked[:, 5] = -np.inf
     np.testing.assert_array_equal(np.asarray(greedy), masked.argmax(-1))
+
+
+def test_map_headroom_warns_once_before_the_kernel_limit(tmp_path, caplog, monkeypatch):
+    """Compiling many kernels on CPU can exhaust Linux's per-process memory maps (XLA maps
+    memory per executable); past vm.max_map_count the process dies with SIGSEGV. The check
+    each new trace runs warns once, naming the limit and the fix."""
+    import tiderl.serving.steps as steps
+
+    monkeypatch.setattr(steps, "_maps_warned", False)
+    limit, maps = tmp_path / "max_map_count", tmp_path / "maps"
+    limit.write_text("100\n")
+    maps.write_text("m\n" * 70)
+    with caplog.at_level("WARNING", logger="tiderl.serving.steps"):
+        assert steps.check_map_headroom(0.75, str(limit), str(maps)) == (70, 100)
+        assert not caplog.records
+        maps.write_text("m\n" * 80)
+        assert steps.check_map_headroom(0.75, str(limit), str(maps)) == (80, 100)
+        assert steps.check_map_headroom(0.75, str(limit), str(maps)) == (80, 100)
+    assert len(caplog.records) == 1
+    assert "vm.max_map_count" in caplog.text and "sysctl" in caplog.text
+    assert steps.check_map_headroom(0.75, str(tmp_path / "absent"), str(maps)) is None
+    if (real := steps.check_map_headroom(1.0)) is not None:  # Linux: this process's own maps
+        assert 0 < real[0] and real[1] > 0

@@ -7,7 +7,8 @@
 - `cell_of`, `pool_sharding_for`: an engine's placement (one device, or a tensor-parallel cell
   with its KV pools sharded on kv heads).
 
-Each jitted function counts its traces in `trace_counts` (`Engine.trace_counts`).
+Each jitted function counts its traces in `trace_counts` (`Engine.trace_counts`), and each new
+trace checks the process's memory maps against the kernel's limit (`check_map_headroom`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,33 @@ from tiderl.serving.kv import PagedKV, copy_pages
 from tiderl.serving.sampling import sample, token_keys
 
 log = logging.getLogger(__name__)
+_maps_warned = False
+
+
+def check_map_headroom(share: float = 0.75, limit_path: str = "/proc/sys/vm/max_map_count",
+                       maps_path: str = "/proc/self/maps") -> tuple[int, int] | None:
+    """Warns once per process when it holds `share` of the memory maps Linux allows one
+    process (`vm.max_map_count`, 65,530 by default). XLA's CPU backend maps memory for every
+    compiled executable (a 30-layer model's kernel: several hundred maps), so an engine that
+    compiles many (rows, length, page-table width) shapes can reach the limit; past it LLVM
+    cannot allocate ("LLVM compilation error: Cannot allocate memory") and the process dies
+    with SIGSEGV. Returns (maps held, limit), or None where /proc does not tell (not Linux)."""
+    global _maps_warned
+    try:
+        limit = int(open(limit_path).read())
+        with open(maps_path, "rb") as f:
+            held = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    if held >= share * limit and not _maps_warned:
+        _maps_warned = True
+        log.warning(
+            "this process holds %d memory maps of the %d Linux allows (vm.max_map_count); "
+            "compiling more kernels past it crashes the process (LLVM 'Cannot allocate "
+            "memory', then SIGSEGV). Raise the limit (sudo sysctl -w "
+            "vm.max_map_count=1048576) or compile fewer shapes (fewer rollout.prefill_buckets "
+            "or rollout.decode_buckets, a smaller rollout.max_context)", held, limit)
+    return held, limit
 
 
 @functools.lru_cache(maxsize=32)  # bounded: a long-lived process must not pile up executables
@@ -47,6 +75,7 @@ def make_step(graphdef: nnx.GraphDef, *, kind: str, impl: str, interpret: bool, 
         # Python side effect: runs once per trace.
         name = kind if positions_bt3 is None else kind + "+image"
         trace_counts[(name, *tokens_bt.shape, page_table_bp.shape[1])] += 1
+        check_map_headroom()
         model = nnx.merge(graphdef, params)
         # Text at token index + the task's M-RoPE delta (0 without images, as plain RoPE); a
         # chunk holding image placeholders comes with its [B, T, 3] positions and embeddings.
