@@ -174,6 +174,15 @@ REAL_WORKLOADS = {
         max_context=512, num_pages=56, **_REAL,
         latency=LatencyConfig(dist="lognormal", median_s=4.0, sigma=0.5, start_factor=1.0,
                               seed=1)),
+    # The same shape with contexts of agentic length: a ~70-token page each turn (~95 tokens
+    # a turn with the feedback and the reply), contexts from ~100 to ~850 tokens, and shorter
+    # env waits (median 2 s): the engine, not the environment, sets the step, so computing an
+    # evicted context again costs seconds on the step's critical path.
+    "deep": Workload(
+        "deep", "webshop", ("n=64", "guesses=8", "page=360", *CHAT), max_turns=8,
+        max_context=1024, num_pages=96, **_REAL,
+        latency=LatencyConfig(dist="lognormal", median_s=2.0, sigma=0.5, start_factor=1.0,
+                              seed=1)),
     # The default task's chat form: ~70-token prompt, ~20 tokens a turn, 5 guesses.
     "default": Workload(
         "default", "default", ("n=8", "guesses=5", *CHAT), max_turns=5, max_context=256,
@@ -726,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default="",
                     help="default: textworld,default,webshop (with --model, REAL_WORKLOADS: "
-                         "webshop,textworld,long,default)")
+                         "webshop,textworld,long,deep,default)")
     ap.add_argument("--model", default="",
                     help="serve this checkpoint (HF folder or .gguf file) instead of the tiny "
                          "random policy, on REAL_WORKLOADS")

@@ -106,5 +106,5 @@ def test_ctb_bench_model_errors_name_the_input(tmp_path, capsys):
         ctb.load_policy(str(tmp_path / "bare"))
     with pytest.raises(SystemExit):
         ctb.main(["--model", str(tmp_path / "bare"), "--workloads", "nope"])
-    assert "--workloads nope: unknown; choose from webshop,textworld,long,default" in \
+    assert "--workloads nope: unknown; choose from webshop,textworld,long,deep,default" in \
         capsys.readouterr().err
