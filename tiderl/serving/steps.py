@@ -40,7 +40,8 @@ def check_map_headroom(share: float = 0.75, limit_path: str = "/proc/sys/vm/max_
     with SIGSEGV. Returns (maps held, limit), or None where /proc does not tell (not Linux)."""
     global _maps_warned
     try:
-        limit = int(open(limit_path).read())
+        with open(limit_path) as f:
+            limit = int(f.read())
         with open(maps_path, "rb") as f:
             held = sum(1 for _ in f)
     except (OSError, ValueError):
