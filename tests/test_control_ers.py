@@ -9,7 +9,7 @@ from tiderl.control.ers import ERSConfig, ERSPlanner
 from tiderl.control.fixed_plans import KeepSplit
 from tiderl.control.plans import CellMap, Signals
 from tiderl.envs.protocol import EndReason
-from tiderl.serving.rollout import Trajectory
+from tiderl.serving.trajectory import Trajectory
 from tiderl.train.ra2p import PhaseCosts, break_even_ras, choose_mode, predicted_ready_times
 
 # Cells 0-1 rollout, 2-3 trainer, 4 Ref (a decoupled start).

@@ -137,7 +137,7 @@ def test_decoded_samples_split_observations_and_actions():
     from tiderl.envs.protocol import EndReason
     from tiderl.envs.templates import Transcript, template_for
     from tiderl.models.tokenizer import ByteTokenizer
-    from tiderl.serving.rollout import Trajectory
+    from tiderl.serving.trajectory import Trajectory
 
     tok = ByteTokenizer()
     tmpl = template_for(tok, "byte")

@@ -26,7 +26,7 @@ from tiderl.envs.config import EnvConfig
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.rewards import Episode, RewardedEnv, RewardFn
 from tiderl.envs.server import EnvServer
-from tiderl.serving.rollout import Trajectory
+from tiderl.serving.trajectory import Trajectory
 
 CFG = EnvConfig(retries=0, request_timeout_s=5, call_deadline_s=10)
 

@@ -17,7 +17,7 @@ import pytest
 
 from tiderl.configlib import ConfigError
 from tiderl.envs.protocol import EndReason
-from tiderl.serving.rollout import Trajectory
+from tiderl.serving.trajectory import Trajectory
 from tiderl.train.advantages import (StepCredit, action_turns, group_advantages, step_advantages,
                                      step_credit, token_advantages)
 from tiderl.train.config import TrainerConfig

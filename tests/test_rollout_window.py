@@ -331,7 +331,7 @@ def _started(tmp_path, *, seed, n_pics):
 
     from tiderl.envs.protocol import EndReason
     from tiderl.envs.templates import Transcript
-    from tiderl.serving.rollout import Trajectory
+    from tiderl.serving.trajectory import Trajectory
 
     tok, tmpl, prompt = _setup(tmp_path)
     rng = np.random.default_rng(seed)

@@ -351,7 +351,7 @@ def test_buffer_trains_cut_segments_with_their_trajectorys_advantage():
     (with its images and M-RoPE positions) and the task's last part, both with its advantage."""
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.envs.protocol import EndReason
-    from tiderl.serving.rollout import Trajectory
+    from tiderl.serving.trajectory import Trajectory
 
     segments, _ = _windowed_rollout(np.random.default_rng(1), 12)
     last = segments[-1]

@@ -39,7 +39,7 @@ from tiderl.envs.protocol import EndReason
 from tiderl.envs.rewards import Episode, RewardedEnv, RewardFn
 from tiderl.envs.suites import load_object
 from tiderl.serving.pages import StopReason
-from tiderl.serving.rollout import Trajectory
+from tiderl.serving.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 

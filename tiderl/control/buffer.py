@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from tiderl.envs.protocol import EndReason
-from tiderl.serving.rollout import VERDICTS, Trajectory
+from tiderl.serving.trajectory import VERDICTS, Trajectory
 from tiderl.train import ra2p
 from tiderl.train.advantages import (StepCredit, group_advantages, step_advantages,
                                      token_advantages)

@@ -30,6 +30,10 @@ holds it: the handle, the tokens that rank never prefilled, or the turn that fin
 Elastic scaling reuses that path: `drain_rank` takes a rank out of the scheduler (its tasks
 resume elsewhere, cache-free), lets the turns in flight there finish, stops it and keeps each
 task's `Handoff` for its next turn; `add_rank` revives a rank slot with a fresh rank.
+
+A finished task is a `Trajectory` (serving/trajectory.py). What the manager measures (the
+engine busy share the scheduler sees, `stats()` and its windows) is the `Measuring` mixin it
+inherits (serving/rollout_stats.py).
 """
 
 from __future__ import annotations
@@ -51,70 +55,15 @@ from tiderl.envs.templates import Transcript, TurnTemplate
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
 from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import Handoff, RankFailedError, RankStats, RolloutRank, TurnResult
+from tiderl.serving.rollout_stats import Measuring
 from tiderl.serving.rollout_window import ImageWindow, task_head
+from tiderl.serving.trajectory import VERDICTS, Trajectory
 
 log = logging.getLogger(__name__)
-
-BUSY_TAU_S = 2.0
-"""Time constant of the engine busy share the scheduler sees (seconds of loop time)."""
-
-
-VERDICTS = frozenset({EndReason.done, EndReason.turn_limit, EndReason.context_limit,
-                      EndReason.action_too_long})
-"""End reasons of a trainable trajectory (the others carry no verdict)."""
 
 
 class RolloutFailedError(RuntimeError):
     """Every rollout rank has been quarantined: no task can run any more."""
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """One finished task, token in / token out: exactly the ids the engine saw and produced."""
-
-    task_id: str
-    group_id: str
-    is_eval: bool
-    tokens: list[int]
-    loss_mask: list[int]
-    """1 on action tokens (what the policy sampled), 0 on prompt/observation/template tokens."""
-    logprobs: list[float]
-    """Behaviour logprob of each token (0 where loss_mask is 0)."""
-    versions: list[int]
-    """Weight version that sampled each token (-1 where loss_mask is 0)."""
-    reward: float
-    end_reason: EndReason
-    turns: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-    finished_at: float = 0.0
-    images: list[Any] = dataclasses.field(default_factory=list)
-    """A vision-language policy's images, in the order of their placeholder runs in `tokens`
-    (each `(patch rows, grid_thw)`, as the engine took them)."""
-    segments: list[Any] = dataclasses.field(default_factory=list)
-    """Parts cut off earlier by the sliding image window (train/image_window.py `Segment`s, in
-    order); each trains as a sequence of its own with the trajectory's advantage. The fields
-    above hold the last part (the context the task ended in)."""
-
-    @property
-    def ok(self) -> bool:
-        """Trainable: the episode ran to a verdict (done, a turn, context or action-length
-        limit) with a finite reward."""
-        return self.end_reason in VERDICTS and math.isfinite(self.reward)
-
-    @property
-    def min_version(self) -> int:
-        """The oldest weight version that sampled a token of it (its cut segments too)."""
-        # Over the distinct versions (a handful) rather than every token (thousands).
-        seen = set(self.versions).union(*(s.versions for s in self.segments))
-        return min((v for v in seen if v >= 0), default=-1)
-
-    @property
-    def action_token_count(self) -> int:
-        """Sampled tokens, its cut segments' included."""
-        return sum(self.loss_mask) + sum(sum(s.loss_mask) for s in self.segments)
 
 
 def numeric_id(task_id: str) -> int:
@@ -143,7 +92,7 @@ class _Episode:
     """Taken from a rank that was drained and stopped; the next turn starts from it."""
 
 
-class RolloutManager:
+class RolloutManager(Measuring):
     """Runs episodes on rollout ranks under CTB (or the vanilla policy) against an env server."""
 
     def __init__(self, ranks: Sequence[RolloutRank | None],
@@ -186,39 +135,6 @@ class RolloutManager:
         self._window: tuple[float, list[float], dict[str, float]] | None = None
 
     # -- scheduling -----------------------------------------------------------------------------
-    def _busy_now(self) -> list[float]:
-        # Seconds each rank slot's engine has worked; an empty slot (ERS moved its cell) none.
-        return [0.0 if r is None else r.stats.busy_s for r in self.ranks]
-
-    def _track_busy(self) -> None:
-        """Keeps the scheduler's per-rank engine busy share current (exponential average
-        over about `BUSY_TAU_S` of loop time)."""
-        now = self.sched.clock()
-        last = self._busy_at
-        self._busy_at = now
-        if last is None or len(self.ranks) != len(self._busy_s):  # first round, or slots added
-            busy = self._busy_now()
-            self._busy_s = busy
-            self._busy_sum = [0.0] * len(busy)
-            self._busy_wall = 0.0
-            return
-        dt = now - last
-        if dt <= 0:  # several rounds at one instant: nothing has elapsed
-            return
-        busy = self._busy_now()
-        # Decaying sums of busy seconds and of elapsed seconds: busy time arrives in lumps
-        # (one per engine call), so a per-event rate would be all or nothing.
-        decay = math.exp(-dt / BUSY_TAU_S)
-        wall = self._busy_wall = self._busy_wall * decay + dt
-        sums, seen, share = self._busy_sum, self._busy_s, self.sched.engine_busy
-        for i, b in enumerate(busy):
-            x = sums[i] * decay  # >= 0, so adding nothing (+0.0) leaves it exactly as is
-            if b > seen[i]:
-                x += b - seen[i]
-            sums[i], seen[i] = x, b
-            v = x / wall
-            share[i] = v if v < 1.0 else 1.0
-
     def kick(self) -> None:
         """One scheduling round; applies its decisions."""
         self._track_busy()
@@ -575,62 +491,3 @@ class RolloutManager:
         self.sched.finish(tid)
         self.episodes.pop(tid, None)
         self.kick()
-
-    # -- metrics --------------------------------------------------------------------------------
-    def new_window(self) -> None:
-        """Starts the window that `stats()`'s engine_busy and tasks_* average over (the
-        controller starts one per step)."""
-        self.sched.phases.advance(self.sched.clock())
-        self._window = (self.sched.clock(), self._busy_now(),
-                        dict(self.sched.phases.seconds))
-
-    def _window_stats(self) -> dict[str, float]:
-        if self._window is None:
-            self.new_window()
-        t0, busy0, sec0 = self._window
-        now = self.sched.clock()
-        ph = self.sched.phases
-        ph.advance(now)
-        dt = now - t0
-        now_busy = self._busy_now()
-        live = [i for i in range(len(self.ranks))
-                if i not in self.sched.dead and self.ranks[i] is not None] or [0]
-        if dt <= 0 or not self.ranks:  # nothing elapsed yet: the current counts
-            busy = 0.0
-            avg = {k: float(n) for k, n in ph.counts.items()}
-        else:
-            busy = sum(min(1.0, max(0.0, now_busy[i] - (busy0[i] if i < len(busy0) else 0.0))
-                               / dt) for i in live) / len(live)
-            avg = {k: (ph.seconds[k] - sec0[k]) / dt for k in ph.seconds}
-        return {"engine_busy": busy, "tasks_executing": avg["executing"],
-                "tasks_ready": avg["ready"], "tasks_waiting": avg["waiting"],
-                "window_s": max(dt, 0.0)}
-
-    def stats(self) -> dict[str, Any]:
-        """Token and decision counters since the start; `engine_busy` (the share of the window
-        the ranks' engines worked, mean over live ranks) and `tasks_executing` /
-        `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
-        their observation in hand, and waiting on their environment) over the window since
-        `new_window()`; `window_cuts`: contexts the sliding image window cut so far."""
-        live = [r for r in self.ranks if r is not None]
-        every = [r.stats for r in live] + [self.retired]
-        prompt = sum(s.prompt_tokens for s in every)
-        cached = sum(s.cached_tokens for s in every)
-        return {
-            **self._window_stats(),
-            "tasks_paused": self.sched.n_paused(),
-            "shared_tokens": sum(s.shared_tokens for s in every),
-            "kv_hit_rate": cached / max(1, prompt),
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "computed_tokens": sum(s.computed_tokens for s in every),
-            "decode_tokens": sum(s.decode_tokens for s in every),
-            "forced_evictions": sum(s.forced_evictions for s in every),
-            "window_cuts": self.window.cuts,
-            "decisions": dict(self.decisions),
-            "end_reasons": dict(self.end_reasons),
-            "tasks_submitted": self.submitted,
-            "tasks_ended": sum(self.end_reasons.values()),
-            "tasks_live": len(self.episodes),
-            "per_rank": [{**r.kv_stats(), "hit_rate": r.stats.kv_hit_rate} for r in live],
-        }

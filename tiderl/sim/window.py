@@ -20,7 +20,8 @@ import dataclasses
 from typing import Any
 
 from tiderl.serving.pages import StopReason
-from tiderl.serving.rollout import RolloutManager, Trajectory
+from tiderl.serving.rollout import RolloutManager
+from tiderl.serving.trajectory import Trajectory
 from tiderl.train.image_window import Segment, cut, image_runs, needs_cut
 
 
