@@ -449,7 +449,8 @@ def test_run_all_starts_a_dependent_run_before_the_rest():
     import dataclasses
 
     from tiderl.sim.cluster import SimConfig
-    from tiderl.sim.experiments import best_of, run_all
+    from tiderl.sim.experiments import best_of
+    from tiderl.sim.jobs import run_all
 
     base = SimConfig(mode="async", gpus=2, steps=1, groups_per_step=1, group_size=2,
                      groups_per_microbatch=1, eval_every=0, workloads=("webshop",))
@@ -614,7 +615,7 @@ def test_latency_bound_is_half_the_sync_batch_latency_under_staleness_one():
     """fig8's bound: sync's rollout phase is the batch's tail latency L; under max_staleness s
     no asynchronous step is shorter than L/(1 + s), so goodput is at most a step's tokens over
     that (the first step, which also starts the engines, is left out)."""
-    from tiderl.sim.experiments import Result, latency_bound
+    from tiderl.sim.jobs import Result, latency_bound
 
     steps = [{"t_rollout_start": 0.0, "t_rollout_end": 90.0, "action_tokens": 1,
               "engine_busy": 1.0}]

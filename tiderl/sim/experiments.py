@@ -16,12 +16,14 @@ ERS: `fig8`'s tiderl, `fig15`'s ERS run and table2's +ERS and +CTB rows run the 
 ERS planner (`--planner ers`, the default); with `--planner ''` those report ERS as pending and
 `fig8`'s tiderl is CTB + RA2P on a fixed split. `--planner module:Class` plugs in any other
 planner.
+
+The experiments here simulate whole jobs through `tiderl.sim.jobs` (running them, and the
+tables and files they report with); fig14, which runs the trainer alone, is `tiderl.sim.fig14`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -33,167 +35,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiderl.sim.cluster import MODES, SimConfig, build_costs, ratio, simulate_job
-from tiderl.sim.trainer import SimMicroBatch, SimTrainer
+from tiderl.sim.cluster import MODES, SimConfig, ratio
+from tiderl.sim.fig14 import fig14
+from tiderl.sim.jobs import (
+    Result,
+    breakdown_table,
+    latency_bound,
+    pyplot,
+    run_all,
+    save_steps,
+    say,
+    table,
+)
 from tiderl.sim.virtual_ers import ERS
 from tiderl.sim.workloads import workload
 
 RATIOS = (0.125, 0.25, 0.5)
-
-
-def _say(*a: Any) -> None:
-    print(*a, flush=True)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return "n/a" if math.isnan(v) else f"{v:.3g}"
-    return str(v)
-
-
-def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> None:
-    cells = [list(map(str, head))] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    for k, r in enumerate(cells):
-        _say("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(r, widths, strict=True))))
-        if k == 0:
-            _say("  ".join("-" * w for w in widths))
-
-
-@dataclasses.dataclass
-class Result:
-    """What an experiment keeps of one simulated job (picklable: runs may be in workers)."""
-
-    summary: dict[str, Any]
-    steps: list[dict[str, Any]]
-    stats: dict[str, Any]
-    real_s: float
-    process_s: float
-
-
-def _simulate(cfg: SimConfig) -> Result:
-    r = simulate_job(cfg)
-    ranks = r.ranks
-    stats = {"recomputed_evicted": sum(x.stats.recomputed_evicted for x in ranks),
-             "forced_evictions": sum(x.stats.forced_evictions for x in ranks),
-             "decisions": dict(r.controller.manager.decisions),
-             "role_changes": r.trainer.role_changes, "breakdown": breakdown(r.records)}
-    return Result(r.summary, r.steps, stats, r.real_s, r.process_s)
-
-
-BREAKDOWN = ("wall_s", "rwt_s", "twt_s", "swap_s", "switch_s", "sync_s", "role_change_s",
-             "eval_s")
-
-
-def breakdown(records: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Where a run's time went, in seconds summed over its steps: the virtual wall clock,
-    rollout throttled (RWT), trainer waiting for data (TWT), Ref/Actor swaps (`time_swap`,
-    which includes the hybrid engine's switches), those switches alone, weight syncs, role
-    changes, and evaluations in flight (they overlap training: not a share of the wall)."""
-    steps = [r for r in records if r.get("kind") == "step"]
-    out = dict.fromkeys(BREAKDOWN, 0.0)
-    for r in steps:
-        out["rwt_s"] += r.get("rwt_s", 0.0)
-        out["twt_s"] += r.get("twt_s", 0.0)
-        out["swap_s"] += r.get("time_swap", 0.0)
-        out["switch_s"] += r.get("time_switch", 0.0)
-        out["sync_s"] += r.get("sync_s", 0.0) or 0.0
-        out["role_change_s"] += r.get("role_change_s", 0.0) or 0.0
-    out["wall_s"] = steps[-1].get("wall_s", 0.0) if steps else 0.0
-    out["eval_s"] = sum(r.get("eval_time_s", 0.0) for r in records if r.get("kind") == "eval")
-    return out
-
-
-def latency_bound(sync: Result, max_staleness: int) -> dict[str, float]:
-    """The goodput no asynchronous mode can pass when generation is latency-bound: the sync
-    run's rollout phase starts a step's groups together and ends with its slowest one, so its
-    mean is the batch's tail latency L (its engines' busy share says whether the devices or
-    the tasks' own latency set it). The staleness bound lets groups start at most
-    1 + max_staleness steps before the step that trains them, so a step lasts at least
-    L / (1 + max_staleness), and goodput is at most a step's tokens over that."""
-    steps = sync.steps[1:] or sync.steps  # the first step also starts the engines
-    lat = statistics.mean(r["t_rollout_end"] - r["t_rollout_start"] for r in steps)
-    tokens = statistics.mean(r["action_tokens"] for r in steps)
-    t_min = lat / (1 + max_staleness)
-    return {"batch_latency_s": lat, "engine_busy": statistics.mean(
-        r["engine_busy"] for r in steps), "step_floor_s": t_min,
-            "goodput_ceiling": tokens / t_min if t_min > 0 else math.nan}
-
-
-def breakdown_table(runs: dict[str, Result]) -> None:
-    """One row per run: goodput and where its time went (`breakdown`)."""
-    rows = [(label, r.summary.get("goodput", math.nan),
-             *(r.stats.get("breakdown", {}).get(k, math.nan) for k in BREAKDOWN))
-            for label, r in runs.items()]
-    table(rows, ("run", "goodput tok/s", "wall s", "RWT s", "TWT s", "swaps s",
-                 "switches s", "syncs s", "role chg s", "eval in flight s"))
-
-
-def run_all(cfgs: dict[str, SimConfig], jobs: int = 1,
-            follow: Callable[[dict[str, Result]], dict[str, SimConfig]] | None = None
-            ) -> dict[str, Result]:
-    """Simulates every config (in `jobs` worker processes when > 1); returns them in the order
-    given. `follow(finished)` is called as runs finish and may return more configs (a run
-    that depends on others' results): they start before the configs not yet started."""
-    out: dict[str, Result] = {}
-    todo = list(cfgs.items())
-    extra: dict[str, SimConfig] = {}
-
-    def more() -> None:
-        new = follow(out) if follow is not None else {}
-        new = {k: v for k, v in new.items() if k not in extra and k not in cfgs}
-        extra.update(new)
-        todo[:0] = list(new.items())
-
-    if jobs <= 1 or len(cfgs) <= 1 and follow is None:
-        while todo:
-            label, cfg = todo.pop(0)
-            out[label] = _simulate(cfg)
-            _report(label, out[label])
-            more()
-    else:
-        import concurrent.futures as cf
-
-        with cf.ProcessPoolExecutor(min(jobs, max(2, len(cfgs)))) as pool:
-            running: dict[cf.Future[Result], str] = {}
-            while todo or running:
-                while todo and len(running) < jobs:
-                    label, cfg = todo.pop(0)
-                    running[pool.submit(_simulate, cfg)] = label
-                done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
-                for f in done:
-                    label = running.pop(f)
-                    out[label] = f.result()
-                    _report(label, out[label])
-                more()
-    order = [*cfgs, *extra]
-    return {k: out[k] for k in order}
-
-
-def _report(label: str, r: Result) -> None:
-    s = r.summary
-    _say(f"  {label:28s} goodput {s.get('goodput', math.nan):9.1f} tok/s  "
-         f"steps {s.get('steps', 0):3d}  virtual {s.get('wall_s', 0):8.0f} s  "
-         f"RWT {s.get('rwt_s', 0):7.0f} s  TWT {s.get('twt_s', 0):7.0f} s  "
-         f"real {r.real_s:5.0f} s (cpu {r.process_s:5.0f} s)")
-
-
-def _save(out: Path, name: str, runs: dict[str, Result]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / f"{name}.jsonl").open("w") as f:
-        for label, run in runs.items():
-            for r in run.steps:
-                f.write(json.dumps({"run": label, **r}, default=str) + "\n")
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 # -- fig4 / fig15: fixed rollout ratios on one node ------------------------------------------
@@ -214,7 +71,7 @@ def _crossings(rwt: Sequence[float], twt: Sequence[float]) -> int:
 def fig4(args: argparse.Namespace) -> dict[str, Any]:
     runs = _fixed_ratio_runs(args, "async")
     rows, out = [], {}
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(RATIOS), figsize=(12, 3.2), sharey=True)
     for ax, (q, r) in zip(axes, runs.items(), strict=True):
         rwt = [s["rwt_s"] for s in r.steps]
@@ -235,11 +92,11 @@ def fig4(args: argparse.Namespace) -> dict[str, Any]:
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(args.out / "fig4.png", dpi=120)
-    _say("\nFigure 4 (async, one 8×H100 node, WebShop): per-step waits")
+    say("\nFigure 4 (async, one 8×H100 node, WebShop): per-step waits")
     table(rows, ("ratio", "RWT mean s", "TWT mean s", "steps TWT>RWT", "RWT/TWT crossings"))
-    _say("paper: 0.125 starves the trainer (TWT high), 0.5 over-produces (RWT high), and at "
-         "0.25 RWT and TWT cross frequently")
-    _save(args.out, "fig4", {str(q): r for q, r in runs.items()})
+    say("paper: 0.125 starves the trainer (TWT high), 0.5 over-produces (RWT high), and at "
+        "0.25 RWT and TWT cross frequently")
+    save_steps(args.out, "fig4", {str(q): r for q, r in runs.items()})
     return out
 
 
@@ -264,17 +121,17 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
         runs["ers"] = r
     else:
         rows.append(("ERS", "pending", "pending", "pending", "pending"))
-    _say("\nFigure 15: where each run's time went")
+    say("\nFigure 15: where each run's time went")
     breakdown_table({str(k): v for k, v in runs.items()})
-    _say("\nFigure 15 (tiderl, one 8×H100 node, WebShop): total waits over the run")
+    say("\nFigure 15 (tiderl, one 8×H100 node, WebShop): total waits over the run")
     table(rows, ("split", "RWT s", "TWT s", "RWT+TWT s", "goodput tok/s"))
-    _say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
-         "(goal here: ERS ≤ 0.32× the best fixed ratio: the best-throughput one, as the "
-         "paper's)")
+    say("paper: ERS cuts RWT+TWT by 68.6% to 77.6% against the fixed ratios "
+        "(goal here: ERS ≤ 0.32× the best fixed ratio: the best-throughput one, as the "
+        "paper's)")
     if ers is None:
-        _say("ours: ERS is not in this build (no planner yet); the fixed-ratio runs above are "
-             "the baselines it will be compared with")
-    plt = _plt()
+        say("ours: ERS is not in this build (no planner yet); the fixed-ratio runs above are "
+            "the baselines it will be compared with")
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     bars = {**{f"{q}": w for q, w in waits.items()}, **({"ERS": ers} if ers is not None else {})}
     ax.bar(list(bars), list(bars.values()))
@@ -282,7 +139,7 @@ def fig15(args: argparse.Namespace) -> dict[str, Any]:
     ax.set_ylabel("RWT + TWT (s)")
     fig.tight_layout()
     fig.savefig(args.out / "fig15.png", dpi=120)
-    _save(args.out, "fig15", {str(q): r for q, r in runs.items()})
+    save_steps(args.out, "fig15", {str(q): r for q, r in runs.items()})
     return {"ers_wait_over_best_fixed": None if ers is None else ratio(ers, waits[best_q]),
             "best_fixed_ratio": best_q,
             "ers_wait_over_least_wait_fixed": None if ers is None else ratio(
@@ -305,14 +162,14 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = []
     all_runs: dict[str, Result] = {}
-    plt = _plt()
+    plt = pyplot()
     wls = tuple(args.workload.split(",")) if args.workload else ("webshop", "alfworld")
     gui = any(workload(w).image_tokens for w in wls)  # Figure 10: the multi-modal tasks
     models = (args.model,) if args.model_only else ("qwen3-vl-4b",) if gui else (
         "qwen2.5-7b", "qwen2.5-14b")
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        _say(f"\n{model}:")
+        say(f"\n{model}:")
         base = SimConfig(model=model, gpus=32, steps=args.steps, eval_every=20, seed=args.seed,
                          groups_per_step=args.groups, workloads=wls,
                          # GUI contexts reach 16k+ tokens: a micro-batch budget that holds one
@@ -359,12 +216,12 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         out[f"best_ratio_{sfx}"] = ratios
         lb = latency_bound(runs["sync ratio 0.25"], base.max_staleness)
         out[f"latency_bound_{sfx}"] = lb
-        _say(f"latency-staleness bound: sync's rollout phase (one batch, all GPUs, engines "
-             f"busy {lb['engine_busy']:.0%}) lasts L = {lb['batch_latency_s']:.1f} s; with "
-             f"max_staleness {base.max_staleness} no asynchronous step is shorter than "
-             f"L/{1 + base.max_staleness} = {lb['step_floor_s']:.1f} s, so goodput <= "
-             f"{lb['goodput_ceiling']:.0f} tok/s (stream {good['stream']:.0f}, tiderl "
-             f"{good['tiderl']:.0f})")
+        say(f"latency-staleness bound: sync's rollout phase (one batch, all GPUs, engines "
+            f"busy {lb['engine_busy']:.0%}) lasts L = {lb['batch_latency_s']:.1f} s; with "
+            f"max_staleness {base.max_staleness} no asynchronous step is shorter than "
+            f"L/{1 + base.max_staleness} = {lb['step_floor_s']:.1f} s, so goodput <= "
+            f"{lb['goodput_ceiling']:.0f} tok/s (stream {good['stream']:.0f}, tiderl "
+            f"{good['tiderl']:.0f})")
         paper = {"sync": "6.02×", "async": ">1.33×", "stream": ">1.33×"} if gui else {
             "sync": "5.6×", "async": "1.8×", "stream": ">7× (14B)"}
         for mode in MODES:
@@ -375,14 +232,14 @@ def fig8(args: argparse.Namespace) -> dict[str, Any]:
         ax.set_ylabel("goodput (consumed tok/s)")
     fig.tight_layout()
     fig.savefig(args.out / "fig8.png", dpi=120)
-    _say("\nFigure 8: every run (the baselines' ratio sweep included) and where its time went")
+    say("\nFigure 8: every run (the baselines' ratio sweep included) and where its time went")
     breakdown_table(all_runs)
-    _say(f"\nFigure 10 (32×H100, {'+'.join(wls)}, eval every 20 steps): goodput" if gui else
-         "\nFigure 8 (32×H100, WebShop+ALFWorld, eval every 20 steps): goodput")
+    say(f"\nFigure 10 (32×H100, {'+'.join(wls)}, eval every 20 steps): goodput" if gui else
+        "\nFigure 8 (32×H100, WebShop+ALFWorld, eval every 20 steps): goodput")
     table(rows, ("model", "mode", "ratio", "goodput tok/s", "tiderl / mode", "paper"))
-    _say("tiderl here is CTB + RA2P + ERS (the production planner)" if args.planner else
-         "tiderl here is CTB + RA2P on a fixed split: ERS is not in this build")
-    _save(args.out, "fig8", all_runs)
+    say("tiderl here is CTB + RA2P + ERS (the production planner)" if args.planner else
+        "tiderl here is CTB + RA2P on a fixed split: ERS is not in this build")
+    save_steps(args.out, "fig8", all_runs)
     return out
 
 
@@ -417,129 +274,22 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
         rows.append((name, v / 1e3, "–" if prev is None else f"{v / prev - 1:+.1%}",
                      paper[name][0], paper[name][1]))
         prev = v
-    _say("\nTable 2: where each run's time went")
+    say("\nTable 2: where each run's time went")
     breakdown_table(runs)
-    _say(f"\nTable 2 ({'+'.join(wls)}, Qwen3-VL-4B, 32×H100, {args.steps} steps)")
+    say(f"\nTable 2 ({'+'.join(wls)}, Qwen3-VL-4B, 32×H100, {args.steps} steps)")
     table(rows, ("method", "goodput k tok/s", "step gain", "paper k tok/s", "paper gain"))
-    _say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
-         "+37.7%); we compare against the values." + ("" if args.planner else
-         " +ERS is pending (--planner ''), so +CTB is measured on top of +RA2P."))
-    plt = _plt()
+    say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
+        "+37.7%); we compare against the values." + ("" if args.planner else
+        " +ERS is pending (--planner ''), so +CTB is measured on top of +RA2P."))
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(list(g), [v / 1e3 for v in g.values()])
     ax.set_ylabel("goodput (k tok/s)")
     fig.tight_layout()
     fig.savefig(args.out / "table2.png", dpi=120)
-    _save(args.out, "table2", runs)
+    save_steps(args.out, "table2", runs)
     return {"goodput_baseline": g["baseline (stream)"], "goodput_ra2p": g["+RA2P"],
             "goodput_ers": g.get("+ERS"), "goodput_ctb": g[ctb_row]}
-
-
-# -- fig14 -----------------------------------------------------------------------------------
-def fig14(args: argparse.Namespace) -> dict[str, Any]:
-    """Eight micro-batches of 8,192 tokens ready at once on 4 GPUs (data parallel)."""
-    cfg = SimConfig(model=args.model)
-    costs = build_costs(cfg)
-    gpus, n_mb, seq = 4, 8, 2048
-    mb = SimMicroBatch(ranks=tuple((seq,) for _ in range(gpus)), n_action_tokens=0, n_seqs=gpus)
-    mb_dm = SimMicroBatch(ranks=tuple(((seq * gpus) // (gpus - 1),) for _ in range(gpus - 1)),
-                          n_action_tokens=0, n_seqs=gpus)
-    setups: dict[str, Callable[[], tuple[SimTrainer, SimMicroBatch]]] = {
-        "VS": lambda: (SimTrainer(costs, actor_gpus=gpus, aggregate=False, offload=False), mb),
-        "VSO": lambda: (SimTrainer(costs, actor_gpus=gpus, aggregate=False, offload=True), mb),
-        # CM offloads only what does not fit (tiderl's trainer; `SimConfig.offload="auto"`).
-        "CM": lambda: (SimTrainer(costs, actor_gpus=gpus, aggregate=True, offload="auto",
-                                  tokens_per_gpu=seq), mb),
-        "CMO": lambda: (SimTrainer(costs, actor_gpus=gpus, aggregate=True, offload=True), mb),
-        "DM": lambda: (SimTrainer(costs, actor_gpus=gpus - 1, ref_gpus=1), mb_dm),
-    }
-    # The Actor's own work on all four GPUs: what no schedule can avoid.
-    ideal = n_mb * (costs.actor_forward(mb.ranks) + costs.actor_backward(mb.ranks))
-
-    async def one(make: Callable[[], tuple[SimTrainer, SimMicroBatch]]) -> dict:
-        tr, m = make()
-        t0 = asyncio.get_running_loop().time()
-        for _ in range(n_mb):
-            tr.submit(m)
-        res = await tr.finish_step_async()
-        res["elapsed"] = asyncio.get_running_loop().time() - t0
-        tr.close()
-        return res
-
-    from tiderl.sim.clock import run_virtual
-
-    res = {k: run_virtual(one(f)) for k, f in setups.items()}
-    over = {k: v["elapsed"] - ideal for k, v in res.items()}
-    rows = [(k, v["elapsed"], over[k], ratio(over[k], over["VS"]), v["swaps"],
-             v["alternations"], v["time_ref"], v["time_swap"]) for k, v in res.items()]
-    _say(f"\nFigure 14 ({args.model}, 8 ready micro-batches × 8,192 tokens, 4×H100, DP; DM: "
-         "3 Actor + 1 Ref GPU)")
-    table(rows, ("mode", "step s", "overhead s", "overhead/VS", "swaps", "alternations",
-                 "ref s", "swap s"))
-    _say(f"overhead = step time − the Actor's own forward+backward on 4 GPUs ({ideal:.2f} s). "
-         "paper: RA2P (CM, DM) cuts overhead by up to 44.3% vs VS/VSO (goal: ≤ 0.56× VS)")
-    tm = costs.trainer_memory(gpus, seq)
-    _say(f"memory per GPU (tiderl.sim.memory): Actor state {tm.actor_state / 1e9:.1f} GB "
-         f"(16 B/param over {gpus}) + Ref {tm.ref / 1e9:.1f} + gathered layers "
-         f"{tm.gathered / 1e9:.1f} + activations {tm.activations / 1e9:.1f} + runtime "
-         f"{tm.runtime / 1e9:.1f} = {tm.colocated / 1e9:.1f} GB of {tm.hbm / 1e9:.0f}: " +
-         ("both fit, so VS alternates without moving bytes" if not tm.colocation_excess else
-          f"over by {tm.colocation_excess / 1e9:.1f} GB, moved at each alternation"))
-    _say("CM offloads what does not fit (here nothing); CMO always offloads, against VSO")
-    _say("ours: without offload a Ref/Actor alternation has no roofline cost "
-         "(context_switch_c0 = 0 in the h100 profile), so VS pays only for the Ref's compute; "
-         "what RA2P saves here is the swaps (VSO) and, in DM, moving the Ref off the Actor")
-    unfit = _fig14_unfit(costs, gpus, n_mb, over["VS"], tm, one)
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(list(res), [ideal] * len(res), label="Actor compute")
-    ax.bar(list(res), list(over.values()), bottom=[ideal] * len(res), label="overhead")
-    ax.set_ylabel("seconds")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "fig14.png", dpi=120)
-    return {"cm_over_vs": ratio(over["CM"], over["VS"]), "dm_over_vs": ratio(over["DM"],
-                                                                            over["VS"]),
-            "cm_over_vso": ratio(over["CM"], over["VSO"]),
-            "cmo_over_vso": ratio(over["CMO"], over["VSO"]),
-            "step_s": {k: v["elapsed"] for k, v in res.items()}, **unfit}
-
-
-def _fig14_unfit(costs: Any, gpus: int, n_mb: int, r_vs: float, tm0: Any,
-                 one: Callable[[Callable[[], tuple[SimTrainer, SimMicroBatch]]], Any]
-                 ) -> dict[str, Any]:
-    """What CM could save against VS: its only lever is the alternations (VS: two per
-    micro-batch, CM: two per aggregate), the rest of both overheads (VS's, `r_vs`, when it
-    swaps nothing) being the Ref's compute. So a cut of 44.3% needs each alternation to cost
-    at least t* = 0.443 r_vs / (0.557 · 2 n_mb − 2). An alternation costs bytes over PCIe
-    only where Ref and Actor do not fit one device together (`tm0`: the memory of the run
-    above): Qwen2.5-14B at 8,192 tokens per GPU (the paper's micro-batch read per GPU)
-    shows that case."""
-    from tiderl.sim.clock import run_virtual
-
-    t_star = 0.443 * r_vs / (0.557 * 2 * n_mb - 2)
-    pcie = costs.profile.device.pcie_bw if costs.profile.device else math.nan
-    seq, model = 8192, "qwen2.5-14b"
-    costs = build_costs(SimConfig(model=model))
-    mb = SimMicroBatch(ranks=tuple((seq,) for _ in range(gpus)), n_action_tokens=0, n_seqs=gpus)
-    ideal = n_mb * (costs.actor_forward(mb.ranks) + costs.actor_backward(mb.ranks))
-    res = {k: run_virtual(one(lambda agg=agg: (SimTrainer(
-        costs, actor_gpus=gpus, aggregate=agg, offload="auto", tokens_per_gpu=seq), mb)))
-        for k, agg in (("VS", False), ("CM", True))}
-    over = {k: v["elapsed"] - ideal for k, v in res.items()}
-    tm = costs.trainer_memory(gpus, seq)
-    _say(f"a 44.3% cut against VS needs every alternation to cost t* = {t_star * 1e3:.0f} ms "
-         f"({t_star * pcie / 1e9:.1f} GB over PCIe at {pcie / 1e9:.0f} GB/s); with "
-         f"{(tm0.hbm - tm0.colocated) / 1e9:.1f} GB free beside both models above, none "
-         "moves: VS leaves nothing for CM to win")
-    _say(f"{model} at 8,192 tokens per GPU: {tm.colocated / 1e9:.1f} GB of {tm.hbm / 1e9:.0f} "
-         f"(over by {tm.colocation_excess / 1e9:.1f} GB): VS swaps {res['VS']['swaps']} times "
-         f"({res['VS']['time_swap']:.2f} s), CM {res['CM']['swaps']} "
-         f"({res['CM']['time_swap']:.2f} s): CM/VS overhead "
-         f"{ratio(over['CM'], over['VS']):.2f}")
-    return {"alternation_cost_needed_s": t_star,
-            "cm_over_vs_14b_8192_per_gpu": ratio(over["CM"], over["VS"]),
-            "colocation_excess_gb_14b_8192_per_gpu": tm.colocation_excess / 1e9}
 
 
 # -- ctb -------------------------------------------------------------------------------------
@@ -565,15 +315,15 @@ def ctb(args: argparse.Namespace) -> dict[str, Any]:
     best = min(("F10 (1024)", "F9 (512)"), key=lambda k: m[k]["step"])
     rows = [(k, v["hit"], v["gen"], v["step"], v["recomputed"], v["evictions"], v["pauses"])
             for k, v in m.items()]
-    _say(f"\nCTB ({groups * 8:,} WebShop tasks, one step, one {args.model} rank on an H100)")
+    say(f"\nCTB ({groups * 8:,} WebShop tasks, one step, one {args.model} rank on an H100)")
     table(rows, ("scheduler", "KV hit rate", "gen tok/s", "rollout s", "recomputed tok",
                  "evictions", "pauses"))
-    _say(f"paper: CTB vs fixed concurrency: hit rate 1.58×, generation 1.15×, step −15.6% "
-         f"(goal: hit ≥ 1.58×, step ≤ 0.844×). ours vs the better fixed one ({best}): hit "
-         f"{ratio(m['CTB']['hit'], m[best]['hit']):.2f}×, generation "
-         f"{ratio(m['CTB']['gen'], m[best]['gen']):.2f}×, step "
-         f"{ratio(m['CTB']['step'], m[best]['step']):.3f}×")
-    plt = _plt()
+    say(f"paper: CTB vs fixed concurrency: hit rate 1.58×, generation 1.15×, step −15.6% "
+        f"(goal: hit ≥ 1.58×, step ≤ 0.844×). ours vs the better fixed one ({best}): hit "
+        f"{ratio(m['CTB']['hit'], m[best]['hit']):.2f}×, generation "
+        f"{ratio(m['CTB']['gen'], m[best]['gen']):.2f}×, step "
+        f"{ratio(m['CTB']['step'], m[best]['step']):.3f}×")
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     axes[0].bar(list(m), [v["hit"] for v in m.values()])
     axes[0].set_ylabel("KV hit rate")
@@ -581,7 +331,7 @@ def ctb(args: argparse.Namespace) -> dict[str, Any]:
     axes[1].set_ylabel("rollout step (s)")
     fig.tight_layout()
     fig.savefig(args.out / "ctb.png", dpi=120)
-    _save(args.out, "ctb", runs)
+    save_steps(args.out, "ctb", runs)
     return {"hit_rate_ratio": ratio(m["CTB"]["hit"], m[best]["hit"]),
             "step_time_ratio": ratio(m["CTB"]["step"], m[best]["step"]),
             "gen_throughput_ratio": ratio(m["CTB"]["gen"], m[best]["gen"]),
@@ -631,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = EXPERIMENTS[args.name](args)
     res["real_s"] = round(time.perf_counter() - t0, 1)
-    _say(f"wrote {args.out}/{args.name}.png")
+    say(f"wrote {args.out}/{args.name}.png")
     print(json.dumps(res, default=lambda x: None if isinstance(x, float) and math.isnan(x)
                      else str(x)))
     return 0
