@@ -70,7 +70,7 @@ def timed(cls, name: str, key: str) -> None:
 
 
 def instrument() -> None:
-    import tiderl.train.backend as backend
+    import tiderl.train.executor as executor
     from tiderl.control.controller import Controller
     from tiderl.control.metrics import MetricsSink
     from tiderl.control.samples import SampleWriter
@@ -92,7 +92,7 @@ def instrument() -> None:
     timed(MetricsSink, "log_samples", "loop")
     timed(SampleWriter, "write", "loop")
     # Trainer thread: the learning-rate read before each update.
-    orig = backend.schedule_count
+    orig = executor.schedule_count
 
     def count(opt):
         t0 = time.thread_time()
@@ -101,7 +101,7 @@ def instrument() -> None:
         finally:
             SPENT["trainer"] += time.thread_time() - t0
 
-    backend.schedule_count = count
+    executor.schedule_count = count
     # Sink thread: tensorboardX and W&B.
     for cls in (TensorBoardSink, WandbSink):
         timed(cls, "log", "sink_thread")

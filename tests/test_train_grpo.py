@@ -14,9 +14,9 @@ from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
 from tiderl.models.sharding import make_mesh
 from tiderl.train.advantages import group_advantages
-from tiderl.train.backend import TrainerBackend, seqs_with_actions
+from tiderl.train.backend import TrainerBackend
 from tiderl.train.config import TrainerConfig
-from tiderl.train.dispatch import TrainSequence, microbatches, pack_microbatch
+from tiderl.train.dispatch import TrainSequence, microbatches, pack_microbatch, seqs_with_actions
 from tiderl.train.grpo import (
     LossSpec,
     _token_weights,

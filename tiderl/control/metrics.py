@@ -11,7 +11,7 @@ Per step, over the trajectories the update trained on (`trajectory_metrics`): re
 tokens (prompt, observations, template and actions); turns = actions taken; staleness =
 trainer version − the oldest weight version that sampled a token of the group. The trainer
 adds the policy loss and its parts, entropy, gradient norm, clip fraction and learning rate
-(`tiderl.train.backend`).
+(`tiderl.train.executor`).
 """
 
 from __future__ import annotations

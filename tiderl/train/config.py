@@ -132,7 +132,7 @@ class TrainerConfig:
     rows_per_rank × row_len); smaller micro-batches are padded to power-of-two row buckets."""
     balance: Literal["lpt", "zigzag"] = "lpt"
 
-    # --- RA2P executor (train/ra2p.py, train/backend.py) ---
+    # --- RA2P executor (train/ra2p.py, train/backend.py, train/executor.py) ---
     mode: Literal["auto", "decoupled", "colocated"] = "auto"
     """auto: decoupled when ref_devices > 0, else colocated; the cost model advises switches.
     colocated needs ref_devices = 0 (the Ref shares the Actor's devices)."""

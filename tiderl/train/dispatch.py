@@ -226,6 +226,12 @@ class MicroBatch:
                 if f.name not in ("uids", "images")}
 
 
+def seqs_with_actions(mb: MicroBatch) -> int:
+    """Sequences of `mb` with at least one action token (the seq_mean divisor)."""
+    rows, cols = np.nonzero(mb.loss_mask_bt > 0)
+    return len(set(zip(rows.tolist(), mb.segment_ids_bt[rows, cols].tolist(), strict=False)))
+
+
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:
     """First-fit decreasing of sequences into rows of `row_len` tokens."""
     rows: list[list[int]] = []
