@@ -12,6 +12,7 @@ NO_JAX = [
     "tiderl.control.samples", "tiderl.control.sinks", "tiderl.control.logs", "tiderl.report",
     "tiderl.control.roles", "tiderl.control.boundary", "tiderl.control.plans",
     "tiderl.control.fixed_plans", "tiderl.control.ers_rates", "tiderl.control.starvation",
+    "tiderl.control.producer", "tiderl.control.reporting",
     "tiderl.envs", "tiderl.envs.protocol", "tiderl.envs.server", "tiderl.envs.client",
     "tiderl.envs.config", "tiderl.envs.templates", "tiderl.envs.chat_templates", "tiderl.sim",
     "tiderl.sim.costs", "tiderl.sim.virtual_engine", "tiderl.sim.trainer", "tiderl.sim.workloads",

@@ -28,6 +28,12 @@ trainer consumes an elastic batch in [B_min, B_ideal]: once it holds B_min it st
 when the wait would pass τ·T_step, and while rollout cannot sustain the trainer's consumption
 it fetches toward B_min and leaves a micro-batch ready for the next step (adaptive data
 retention).
+
+This module holds the loop: its steps, the elastic batch and the end of the run. The rollout
+side (groups from the task stream to the buffer, the staleness throttle, `sync` mode's rollout
+phase) is the `Producing` mixin (`tiderl.control.producer`); what the run reports (evaluation
+rounds, the step record, the progress line, the summary) is the `Reporting` mixin
+(`tiderl.control.reporting`).
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ from tiderl.control.boundary import ReadinessAware
 from tiderl.control.buffer import ReadinessBuffer, ReadyGroup
 from tiderl.control.config import ControllerConfig
 from tiderl.control.fixed_plans import KeepSplit
-from tiderl.control.metrics import MetricsSink, trajectory_metrics
+from tiderl.control.metrics import MetricsSink
 from tiderl.control.plans import CellMap, Planner, RoleChange, RoleChangeResult, initial_cells
-from tiderl.control.progress import snapshot
+from tiderl.control.producer import Producing
+from tiderl.control.reporting import Reporting
 from tiderl.control.roles import RoleSwitch
 from tiderl.control.samples import SampleWriter
 from tiderl.control.starvation import Starvation, Starved
@@ -122,7 +129,7 @@ class Hooks:
     step records report their deltas."""
 
 
-class Controller(ReadinessAware):
+class Controller(Producing, Reporting, ReadinessAware):
     def __init__(self, cfg: ControllerConfig, *, manager: RolloutManager, trainer: TrainerPort,
                  hooks: Hooks, train_stream: TaskStreamPort,
                  eval_groups: Sequence[dict], metrics: MetricsSink, buffer: ReadinessBuffer,
@@ -185,99 +192,9 @@ class Controller(ReadinessAware):
         self.end_reason = ""
         """Why the run ended, in words (the summary's `ended`)."""
 
-    # -- clock ------------------------------------------------------------------------------------
+    # -- clock and the run's bounded wait --------------------------------------------------------
     def now(self) -> float:
         return asyncio.get_running_loop().time()
-
-    # -- rollout side ----------------------------------------------------------------------------
-    def _next_group(self) -> dict | None:
-        """Regenerated groups first (resume), then the stream; each remembers its position."""
-        if self._regen:
-            k = self._regen.pop(0)
-            g = self.stream.element(k)
-        else:
-            k = self.stream.position
-            try:
-                g = next(self.stream)
-            except StopIteration:
-                self._exhausted = True
-                return None
-        self.index_of[g["group_id"]] = k
-        return g
-
-    def _start_group(self, group: dict) -> None:
-        gid = group["group_id"]
-        self.in_flight.add(gid)
-        self.started_groups += 1
-        t = asyncio.create_task(self._run_group(group), name=f"group:{gid}")
-        self._bg.add(t)
-        t.add_done_callback(self._bg.discard)
-
-    async def _run_group(self, group: dict) -> None:
-        """Plays a group, then it is trained (ready) or dropped (counted); a failure anywhere
-        in between stops the run with that error, never leaves the group in neither state."""
-        try:
-            trajs = await self.manager.run_group(group)
-            self.in_flight.discard(group["group_id"])
-            self.generated_tokens += sum(t.action_token_count for t in trajs)
-            trainable = self.buffer.add_group(trajs, now=self.now()) is not None
-            self.starvation.group_ended(trajs, trainable, self.now())
-        except Exception as e:  # no rollout rank left, or a bug: stop the run, loudly
-            log.error("group %s: %s: %s; the run stops", group.get("group_id"),
-                      type(e).__name__, e)
-            self._fatal = self._fatal or e
-            raise
-        finally:
-            self._ready.set()
-            self._changed.set()
-
-    def _throttled(self) -> bool:
-        """Staleness throttle (AReaL's rule): groups started, less those dropped without
-        training (failed, zero variance, stale), may not run more than `max_staleness` steps
-        ahead of the trainer."""
-        live = self.started_groups - sum(self.buffer.dropped.values())
-        steps_done = self.step - self._step0
-        return live >= (steps_done + 1 + self.cfg.max_staleness) * self.cfg.groups_per_step
-
-    async def _produce(self) -> None:
-        """Keeps rollout busy within the staleness bound (modes tiderl, async, stream)."""
-        while not self._stop:
-            if self._throttled():
-                t0 = self.now()
-                idle = not self.in_flight
-                self._changed.clear()
-                await self._changed.wait()
-                if idle:
-                    self.rwt += self.now() - t0
-                continue
-            group = self._next_group()
-            if group is None:
-                return
-            self._start_group(group)
-            await asyncio.sleep(0)
-
-    async def _sync_rollout(self) -> None:
-        """`sync` mode's rollout phase: start groups until a step's worth is ready (groups that
-        are dropped — failed, zero variance — are replaced), then stop; nothing trains
-        meanwhile and nothing rolls out while training."""
-        self.starvation.begin_wait(self.now())
-        while len(self.buffer) < self.cfg.groups_per_step:
-            missing = self.cfg.groups_per_step - len(self.buffer) - len(self.in_flight)
-            for _ in range(max(0, missing)):
-                g = self._next_group()
-                if g is None:
-                    break
-                self._start_group(g)
-            if not self.in_flight:
-                return  # the stream ran out
-            self._ready.clear()
-            await self._wait(self._ready, starving=True)
-            if self._fatal is not None:
-                raise self._fatal
-            self._warn_if_starved()
-        while self.in_flight and self._fatal is None:  # a step's rollout ends only when all its episodes have
-            self._ready.clear()
-            await self._wait(self._ready)
 
     async def _wait(self, event: asyncio.Event, *, starving: bool = False) -> None:
         """`event.wait()`, bounded by the run's time limit (raises `_TimeUp`): a run whose
@@ -409,35 +326,6 @@ class Controller(ReadinessAware):
                         self.step + 1, self.nonfinite)
         return {"train": m, "readiness": r, "taken": taken, "twt": twt, "step_time": step_time}
 
-    # -- evaluation ------------------------------------------------------------------------------
-    async def _evaluate(self, step: int, version: int) -> None:
-        t0 = self.now()
-        # Greedy decoding plays every sibling of a group the same way: one task per group.
-        size = 1 if self.cfg.eval_temperature == 0 else None
-        groups = await asyncio.gather(*(self.manager.run_group(_tagged(g, f"@s{step}", size),
-                                                               is_eval=True)
-                                        for g in self.eval_groups))
-        trajs = [t for g in groups for t in g]
-        ok = [t for t in trajs if t.ok]
-        success = sum(t.reward >= 1.0 for t in ok) / max(1, len(trajs))
-        if self.samples is not None and self.samples.n:
-            path, samples = self.samples.write(step, trajs)
-            self.metrics.log_samples(step, samples, path)
-        self.metrics.log({"kind": "eval", "step": step, "version": version,
-                          "eval_success": success,
-                          "eval_reward": sum(t.reward for t in ok) / max(1, len(ok)),
-                          "eval_tasks": len(trajs), "eval_failed": len(trajs) - len(ok),
-                          "eval_time_s": self.now() - t0, "wall_s": self.now() - self._t0})
-        self.last_eval = success
-
-    def _launch_eval(self) -> None:
-        self._eval_task = asyncio.create_task(self._evaluate(self.step, self.version))
-
-    async def _await_eval(self) -> None:
-        if self._eval_task is not None:
-            await self._eval_task
-            self._eval_task = None
-
     # -- the loop --------------------------------------------------------------------------------
     def data_state(self) -> dict:
         """Task-stream position plus groups started but not yet trained (regenerated on resume)."""
@@ -567,91 +455,3 @@ class Controller(ReadinessAware):
         for t in list(self._bg):
             t.cancel()
         await asyncio.gather(*self._bg, return_exceptions=True)
-
-    async def _tick(self) -> None:
-        """The live progress line (and gauges), once a second while the run goes."""
-        while True:  # a clock, not a wait for a condition
-            if not self._show_progress():
-                return
-            await asyncio.sleep(1.0)
-
-    def _show_progress(self, *, force: bool = False) -> bool:
-        if self._progress_broken:
-            return False
-        try:
-            self.metrics.progress(self.progress(), force=force)
-        except Exception:  # a display bug must not stop training (or hide why it stopped)
-            log.exception("the progress line failed; it stays off for this run")
-            self._progress_broken = True
-        return not self._progress_broken
-
-    def progress(self) -> dict[str, Any]:
-        """What the rollout is doing now (`tiderl.control.progress.snapshot`)."""
-        snap = snapshot(manager=self.manager, buffer=self.buffer, phase=self._phase,
-                        needed=self.cfg.groups_per_step, taken=len(self._taken),
-                        in_flight=len(self.in_flight))
-        return {"step": self.step + 1, "starved_s": self.starvation.waited(self.now()), **snap}
-
-    def _log_step(self, out: dict, sync_s: float) -> None:
-        m, r = out["train"], out["readiness"]
-        wall = self.now() - self._t0
-        taken: list[ReadyGroup] = out["taken"]
-        rs = self.manager.stats()
-        rec = {
-            "kind": "step", "step": self.step, "version": self.version, "wall_s": wall,
-            "goodput": self.consumed_tokens / max(wall, 1e-9),
-            "gen_throughput": self.generated_tokens / max(wall, 1e-9),
-            "consumed_tokens": self.consumed_tokens,
-            "generated_tokens": self.generated_tokens,
-            "kv_hit_rate": rs["kv_hit_rate"],
-            "kv_pages_in_use": [r.get("pages_in_use", 0) for r in rs["per_rank"]],
-            "prefill_computed": rs["computed_tokens"],
-            # Over the step: the engines' busy share, mean tasks in a turn / ready / waiting
-            # on their environment.
-            **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
-                                  "tasks_waiting", "tasks_paused", "shared_tokens",
-                                  "window_cuts") if k in rs},
-            "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
-            "groups": len(taken),
-            "group_ids": [g.group_id for g in taken],
-            "rwt_s": self.rwt, "twt_s": out["twt"], "step_time_s": out["step_time"],
-            "sync_s": sync_s, **out.get("sync", {}),
-            "t_train_start": out["t_train"][0] - self._t0, "t_train_end": out["t_train"][1] - self._t0,
-            **({"t_rollout_start": self._t_roll[0] - self._t0,
-                "t_rollout_end": self._t_roll[1] - self._t0} if self._t_roll else {}),
-            **r.record(),
-            "staleness_mean": _mean_staleness(taken, self.version - 1),
-            **self._roles_record(out),
-            "nonfinite_skipped": self.nonfinite_total,
-            "eval_success": self.last_eval,
-            **{k: v for k, v in m.items() if isinstance(v, (int, float, str))},
-            **self.buffer.summary(),
-            "end_reasons": rs["end_reasons"],
-            **trajectory_metrics([t for g in taken for t in g.trajs]),
-            "staleness_max": max((self.version - 1 - g.min_version for g in taken
-                                  if g.min_version >= 0), default=0),
-        }
-        self.rwt = 0.0
-        self.manager.new_window()
-        self.metrics.log(rec)
-        # Only groups not yet trained or dropped need their stream position (`data_state`).
-        live = self.in_flight | {g.group_id for g in self.buffer.ready}
-        self.index_of = {g: k for g, k in self.index_of.items() if g in live}
-
-    def _summary(self) -> dict:
-        return {**self.metrics.summary.result(), **self.roles.summary(),
-                "ended": self.end_reason}
-
-
-def _tagged(group: dict, tag: str, size: int | None = None) -> dict:
-    """The same eval group under ids unique to one evaluation round (first `size` tasks)."""
-    gid = group["group_id"] + tag
-    return {**group, "group_id": gid,
-            "tasks": [{**t, "task_id": t["task_id"] + tag, "group_id": gid}
-                      for t in group["tasks"][:size]]}
-
-
-def _mean_staleness(groups: Sequence[ReadyGroup], train_version: int) -> float:
-    s = [train_version - g.min_version for g in groups if g.min_version >= 0]
-    return sum(s) / len(s) if s else 0.0
-
