@@ -277,3 +277,28 @@ def test_the_gui_path_imports_no_jax():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False"]
+
+
+def test_table2_runs_ra2p_at_fixed_splits_beside_ers(monkeypatch, tmp_path):
+    """With the sweep, table2 also runs +RA2P (no planner, request-level scheduler) at other
+    fixed rollout shares: the split ERS starts away from, known only in hindsight."""
+    from tiderl.sim import experiments
+
+    seen = []
+
+    def capture(cfgs, jobs=1, follow=None):
+        seen.append(dict(cfgs))
+        raise _Stop
+
+    monkeypatch.setattr(experiments, "run_all", capture)
+    for argv, splits in (([], {0.375, 0.5, 0.625}), (["--no-sweep"], set())):
+        seen.clear()
+        with pytest.raises(_Stop):
+            experiments.main(["table2", "--steps", "1", "--jobs", "1", "--out", str(tmp_path),
+                              *argv])
+        cfgs = seen[0]
+        fixed = {k: c for k, c in cfgs.items() if k.startswith("+RA2P @")}
+        assert {c.rollout_ratio for c in fixed.values()} == splits
+        assert all(c.planner == "" and c.scheduler == "vanilla" and c.mode == "tiderl"
+                   for c in fixed.values())
+        assert cfgs["+ERS"].rollout_ratio == cfgs["+RA2P"].rollout_ratio == 0.25

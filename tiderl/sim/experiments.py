@@ -7,7 +7,8 @@ JSONL) under `--out` (default `sim-results/NAME`), and ends with one JSON line.
     fig4    RWT/TWT over 100 steps at fixed rollout ratios 0.125/0.25/0.5, one 8-GPU node
     fig8    goodput of sync/async/stream/tiderl, Qwen2.5-7B and 14B, 32 GPUs, 100 steps
             (`--workload osworld`: Figure 10, Qwen3-VL-4B on the GUI workload)
-    table2  ablation stream → +RA2P → +ERS → +CTB (OSWorld-like, Qwen3-VL-4B)
+    table2  ablation stream → +RA2P → +ERS → +CTB (OSWorld-like, Qwen3-VL-4B); with the
+            sweep also +RA2P at fixed rollout shares 0.375/0.5/0.625, the split ERS must find
     fig14   VS/VSO/CM/DM over 8 ready micro-batches of 8,192 tokens on 4 GPUs (DP)
     fig15   total RWT+TWT, ERS vs fixed ratios, 100 WebShop steps, one 8-GPU node
     ctb     one step of 1,312 WebShop tasks on one GPU: CTB vs fixed concurrency 1024 and 512
@@ -51,6 +52,8 @@ from tiderl.sim.virtual_ers import ERS
 from tiderl.sim.workloads import workload
 
 RATIOS = (0.125, 0.25, 0.5)
+TABLE2_SPLITS = (0.375, 0.5, 0.625)
+"""table2: rollout shares +RA2P also runs at (with the sweep), beside its own 0.25."""
 
 
 # -- fig4 / fig15: fixed rollout ratios on one node ------------------------------------------
@@ -258,6 +261,12 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
         cfgs["+CTB"] = dataclasses.replace(base, mode="tiderl", planner=args.planner)
     else:
         cfgs["+CTB (no ERS)"] = dataclasses.replace(base, mode="tiderl")
+    # The split ERS has to find: +RA2P at other fixed rollout shares, the best one known in
+    # hindsight (a reference for the +ERS row, which starts at the base's share).
+    fixed = TABLE2_SPLITS if args.sweep and args.planner else ()
+    for q in fixed:
+        cfgs[f"+RA2P @{q:g}"] = dataclasses.replace(base, mode="tiderl", scheduler="vanilla",
+                                                    rollout_ratio=q)
     runs = run_all(cfgs, args.jobs)
     g = {k: r.summary.get("goodput", math.nan) for k, r in runs.items()}
     paper = {"baseline (stream)": (20.2, "–"), "+RA2P": (23.1, "+10.4% (14.4%)"),
@@ -281,6 +290,18 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
     say("paper's percentages do not all match its values (23.1/20.2 = +14.4%, 31.8/23.1 = "
         "+37.7%); we compare against the values." + ("" if args.planner else
         " +ERS is pending (--planner ''), so +CTB is measured on top of +RA2P."))
+    best_q = best_fixed = None
+    if fixed:
+        split = {base.rollout_ratio: g["+RA2P"], **{q: g[f"+RA2P @{q:g}"] for q in fixed}}
+        best_q = max(split, key=lambda q: split[q])
+        best_fixed = split[best_q]
+        say("\n+RA2P at fixed splits (the best known only in hindsight; +ERS starts at "
+            f"{base.rollout_ratio:g})")
+        table([(f"{q:g}", round(q * base.gpus), v / 1e3, f"{v / g['+RA2P'] - 1:+.1%}")
+               for q, v in sorted(split.items())],
+              ("rollout share", "rollout GPUs", "goodput k tok/s", "over +RA2P"))
+        say(f"+ERS: {g['+ERS'] / g['+RA2P'] - 1:+.1%} over +RA2P, {g['+ERS'] / best_fixed:.3f}× "
+            f"the best fixed split ({best_q:g}: {best_fixed / g['+RA2P'] - 1:+.1%})")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar(list(g), [v / 1e3 for v in g.values()])
@@ -289,7 +310,8 @@ def table2(args: argparse.Namespace) -> dict[str, Any]:
     fig.savefig(args.out / "table2.png", dpi=120)
     save_steps(args.out, "table2", runs)
     return {"goodput_baseline": g["baseline (stream)"], "goodput_ra2p": g["+RA2P"],
-            "goodput_ers": g.get("+ERS"), "goodput_ctb": g[ctb_row]}
+            "goodput_ers": g.get("+ERS"), "goodput_ctb": g[ctb_row],
+            "goodput_best_fixed": best_fixed, "best_fixed_split": best_q}
 
 
 # -- ctb -------------------------------------------------------------------------------------
@@ -351,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--model-only", action="store_true", help="fig8: only --model")
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
-                   help="fig8: fixed-ratio baselines at 0.25 only (the paper's best)")
+                   help="fig8: fixed-ratio baselines at 0.25 only (the paper's best); "
+                        "table2: no +RA2P runs at other fixed splits")
     p.add_argument("--workload", default="",
                    help="fig8, table2: the workload(s), comma-separated (tiderl.sim.workloads: "
                         "webshop, alfworld, osworld, scienceboard); default: the experiment's "
