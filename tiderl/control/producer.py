@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 # The controller's logger: these are the controller's messages (as in `starvation.py`).
@@ -42,9 +43,8 @@ class Producing:
     _bg: set[asyncio.Task[Any]]
     _stop: bool
     _fatal: BaseException | None
-
-    def now(self) -> float:
-        raise NotImplementedError  # the controller's clock (Controller.now)
+    now: Callable[[], float]
+    """The controller's clock (`Controller.now`)."""
 
     def _next_group(self) -> dict | None:
         """Regenerated groups first (resume), then the stream; each remembers its position."""

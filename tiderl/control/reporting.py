@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiderl.control.buffer import ReadyGroup
@@ -53,9 +53,8 @@ class Reporting:
     _t_roll: tuple[float, float] | None
     _eval_task: asyncio.Task[None] | None
     _progress_broken: bool
-
-    def now(self) -> float:
-        raise NotImplementedError  # the controller's clock (Controller.now)
+    now: Callable[[], float]
+    """The controller's clock (`Controller.now`)."""
 
     # -- evaluation ------------------------------------------------------------------------------
     async def _evaluate(self, step: int, version: int) -> None:
