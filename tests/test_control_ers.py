@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.ers import ERSConfig, ERSPlanner
 from tiderl.control.fixed_plans import KeepSplit
@@ -73,7 +74,8 @@ def test_hysteresis_a_move_is_not_undone_within_the_cooldown():
 
 
 def test_cold_start_allocates_rollout_preemptively_within_bounds():
-    # By default only the Ref is lent (RAS = 0 is below any break-even).
+    # The Ref is lent (RAS = 0 is below any break-even); here rollout then holds 3 of 5
+    # cells, at least the default share (half), so no trainer cell goes.
     p = ERSPlanner().plan(Signals(cold_start=True), START)
     assert p.rule == "cold_start" and [(m.src, m.dst) for m in p.moves] == [("ref", "rollout")]
     assert p.ref_mode == "colocated"
@@ -82,10 +84,11 @@ def test_cold_start_allocates_rollout_preemptively_within_bounds():
     assert p.cells.describe() == {"rollout": [0, 1, 3, 4], "trainer": [2], "ref": []}
     # An evaluation during the first step borrows one trainer cell more (rule 3).
     wide = CellMap(("rollout",) * 2 + ("trainer",) * 4)
-    p = ERSPlanner().plan(Signals(cold_start=True, eval_next=True), wide)
+    no_share = ERSConfig(cold_start_share=0.0)
+    p = ERSPlanner(no_share).plan(Signals(cold_start=True, eval_next=True), wide)
     assert [(m.src, m.dst) for m in p.moves] == [("trainer", "rollout")]
-    p = ERSPlanner(ERSConfig(eval_preempt=False)).plan(Signals(cold_start=True,
-                                                               eval_next=True), wide)
+    p = ERSPlanner(ERSConfig(eval_preempt=False, cold_start_share=0.0)).plan(
+        Signals(cold_start=True, eval_next=True), wide)
     assert not p.moves
     bounded = ERSPlanner(ERSConfig(max_rollout_cells=3, cold_start_cells=1)).plan(
         Signals(cold_start=True), START)
@@ -96,6 +99,52 @@ def test_cold_start_allocates_rollout_preemptively_within_bounds():
     every = ERSPlanner(ERSConfig(cold_start_cells=-1)).plan(Signals(cold_start=True),
                                                              CellMap(("rollout",) + ("trainer",) * 4))
     assert every.cells.count("trainer") == 1 and len(every.moves) == 3
+
+
+def test_cold_start_lends_trainer_cells_until_rollout_holds_its_share():
+    # 8 rollout cells of 32: the first step runs at an even split (16), one more for an
+    # evaluation during it; share 0 lends none, and an explicit count wins when larger.
+    start = CellMap(("rollout",) * 8 + ("trainer",) * 24)
+    p = ERSPlanner().plan(Signals(cold_start=True), start)
+    assert p.rule == "cold_start" and p.cells.count("rollout") == 16
+    assert all(m.src == "trainer" for m in p.moves) and len(p.moves) == 8
+    assert ERSPlanner().plan(Signals(cold_start=True, eval_next=True),
+                             start).cells.count("rollout") == 17
+    assert not ERSPlanner(ERSConfig(cold_start_share=0.0)).plan(
+        Signals(cold_start=True), start).moves
+    assert ERSPlanner(ERSConfig(cold_start_share=0.25)).plan(
+        Signals(cold_start=True), start).moves == ()
+    assert ERSPlanner(ERSConfig(cold_start_share=0.25, cold_start_cells=2)).plan(
+        Signals(cold_start=True), start).cells.count("rollout") == 10
+    # Already at or above the share (a rollout-heavy start): nothing is lent.
+    heavy = CellMap(("rollout",) * 20 + ("trainer",) * 12)
+    assert not ERSPlanner().plan(Signals(cold_start=True), heavy).moves
+    # The lent cells come back at the first boundary when rollout was latency-bound, even
+    # on a generation deficit: its engines idled, more cells did not make groups faster.
+    planner = ERSPlanner()
+    lent = planner.plan(Signals(cold_start=True), start)
+    back = planner.plan(Signals(step=1, gen_rate=0.1, train_rate=0.5, rollout_busy=0.5,
+                                **GEN), lent.cells)
+    assert back.rule == "cold_return" and back.cells == start
+    with pytest.raises(ConfigError, match="cold_start_share"):
+        ERSConfig(cold_start_share=1.0)
+
+
+def test_a_latency_bound_generation_deficit_moves_no_cell():
+    # The trainer waits, but rollout engines idle half the time: groups wait on their
+    # environments (or the staleness window), not on engines, so a trainer cell moved to
+    # rollout would only slow the trainer. The plan holds, with the reason.
+    start = CellMap(("rollout",) * 2 + ("trainer",) * 6)
+    idle = dict(GEN, gen_rate=1.0, train_rate=3.0, twt_frac=0.6, rollout_busy=0.5)
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [idle] * 4, start)
+    assert cells == start and not moves(plans)
+    held = [p for p in plans if p.rule == "hold"]
+    assert held and "busy 50%" in held[0].reason and "latency" in held[0].reason
+    # Engines busy (capacity-bound), or their share unknown: the deficit moves cells.
+    for busy in (0.9, math.nan):
+        plans, cells = run(ERSPlanner(ERSConfig(patience=2)),
+                           [dict(idle, rollout_busy=busy)] * 2, start)
+        assert cells.count("rollout") > 2 and moves(plans)[0] == ("trainer", "rollout")
 
 
 def test_cold_start_cells_return_at_the_first_readiness_unless_rollout_needs_them():
@@ -165,7 +214,7 @@ def test_rates_predict_a_generation_deficit_a_burst_would_hide():
     start = CellMap(("rollout",) * 8 + ("trainer",) * 24)
     first = dict(gen_rate=0.13, train_rate=1.7, twt_frac=0.95)  # after the run's start
     second = dict(gen_rate=0.09, train_rate=1.5, twt_frac=0.0)
-    planner = ERSPlanner(ERSConfig(patience=2))
+    planner = ERSPlanner(ERSConfig(patience=2, cold_start_share=0.0))
     assert not planner.plan(Signals(step=0, cold_start=True), start).moves
     p1 = planner.plan(Signals(step=1, **first), start)
     p2 = planner.plan(Signals(step=2, **second), p1.cells)
@@ -173,7 +222,7 @@ def test_rates_predict_a_generation_deficit_a_burst_would_hide():
     assert "the trainer would wait 94% of its steps" in p2.reason
     # A consumption deficit at the run's first boundary does not count (its step compiled):
     # with patience 2 nothing moves at the second boundary.
-    planner = ERSPlanner(ERSConfig(patience=2, max_ref_cells=0))
+    planner = ERSPlanner(ERSConfig(patience=2, max_ref_cells=0, cold_start_share=0.0))
     planner.plan(Signals(step=0, cold_start=True), start)
     p1 = planner.plan(Signals(step=1, **CON), start)
     p2 = planner.plan(Signals(step=2, **CON), start)

@@ -82,15 +82,22 @@ class ReadinessAware:
         return self._to_signals(r, eval_next=bool(c.eval_every and self.eval_groups
                                                   and self.step % c.eval_every == 0
                                                   and self.step < c.steps),
-                                train_rate=train_rate, ref_pace=pace)
+                                train_rate=train_rate, ref_pace=pace,
+                                rollout_busy=self._rollout_busy())
+
+    def _rollout_busy(self) -> float:
+        """The rollout engines' busy share over this step (nan: unknown)."""
+        busy = self.manager.stats().get("engine_busy")
+        return float(busy) if busy is not None else float("nan")
 
     def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False,
-                    train_rate: float = float("nan"), ref_pace: float = float("inf")
-                    ) -> Signals:
+                    train_rate: float = float("nan"), ref_pace: float = float("inf"),
+                    rollout_busy: float = float("nan")) -> Signals:
         a = self._advice
         return Signals.from_readiness(
             r, step=self.step, cold_start=cold_start, eval_next=eval_next,
             uses_ref=self._uses_ref(), train_rate=train_rate, ref_pace=ref_pace,
+            rollout_busy=rollout_busy,
             ra2p_mode=a.mode if a is not None else self.roles.ref_mode, pinned=self._pinned())
 
     def _pinned(self) -> frozenset[int]:

@@ -163,6 +163,10 @@ class Signals:
     """Share of the last step the trainer waited for data."""
     rwt_frac: float = 0.0
     """Share of the interval since the previous boundary rollout sat throttled."""
+    rollout_busy: float = float("nan")
+    """Share of the last step the rollout engines had a call in flight (mean over ranks; nan:
+    unknown). Well below 1 while the trainer waits: generation is bound by latency
+    (environment, staleness window), not by rollout capacity."""
     hol_limit_s: float = float("inf")
     """τ·T_step (the buffer's head-of-line limit): gives the planner the step time."""
     move_cost_s: float = float("nan")
@@ -178,6 +182,7 @@ class Signals:
                        cold_start: bool = False, uses_ref: bool = True,
                        ra2p_mode: str | None = None, train_rate: float = float("nan"),
                        ref_pace: float = float("inf"),
+                       rollout_busy: float = float("nan"),
                        pinned: frozenset[int] = frozenset()) -> Signals:
         """The planner's view of a boundary's `Readiness` (`ReadinessBuffer.boundary`), plus
         the run's state the buffer does not know. `ra2p_mode`: the cost model's advice (None:
@@ -193,7 +198,8 @@ class Signals:
                    above_break_even=r.above_break_even, deficit_reason=r.deficit_reason,
                    pinned=pinned, ref_pace=ref_pace,
                    gen_rate=float(getattr(r, "gen_rate", float("nan"))),
-                   train_rate=train_rate, twt_frac=float(getattr(r, "twt_frac", 0.0)),
+                   train_rate=train_rate, rollout_busy=rollout_busy,
+                   twt_frac=float(getattr(r, "twt_frac", 0.0)),
                    rwt_frac=float(getattr(r, "rwt_frac", 0.0)),
                    hol_limit_s=float(getattr(r, "hol_limit_s", float("inf"))))
 
