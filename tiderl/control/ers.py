@@ -27,9 +27,10 @@ it every deficit moves one cell.
 Rules of `ERSPlanner` (each plan carries its reason):
 
 1. Cold start (before any rollout): lend rollout what an empty buffer leaves idle — every Ref
-   cell (RAS = 0 is below any RA2P break-even, so colocated) and `cold_start_cells` trainer
-   cells (default 0; -1 lends every movable cell, the paper's maximal preemption), one more
-   when an evaluation runs during the first step (rule 3). At the first boundary the lent
+   cell (RAS = 0 is below any RA2P break-even, so colocated) and trainer cells until rollout
+   holds `cold_start_share` of the cells (default half) or `cold_start_cells` of them if more
+   (-1 lends every movable cell, the paper's maximal preemption), one more when an
+   evaluation runs during the first step (rule 3). At the first boundary the lent
    trainer cells return, all at once, unless generation is then the deficit; then as many stay
    as the rates say rollout needs.
 2. A Ref cell whose Ref runs no forward (no KL term) joins rollout.
@@ -43,7 +44,9 @@ Rules of `ERSPlanner` (each plan carries its reason):
    with the trainer's cells (`Signals.ref_pace`), a rollout cell becomes the Ref; else
    rollout cells join the trainer.
 5. Generation deficit (the next batch is short of B_ideal and the trainer waited) held for
-   `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else trainer cells do.
+   `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else trainer cells do —
+   unless the rollout engines idled more than `wait_frac` of the step (`Signals.rollout_busy`):
+   then generation is bound by latency, not by cells, and the plan holds (rule `hold`).
 6. Sizing: the signals choose the direction, the measured rates the size. Groups generated per
    rollout cell (the throttled share of the interval taken out) against groups trained per
    trainer cell put the balance at N·c/(g + c) rollout cells; a deficit's move covers the gap
