@@ -29,7 +29,7 @@ NO_JAX = [
     "tiderl.agents.endpoint", "tiderl.agents.runner",
     "tiderl.serving", "tiderl.serving.config", "tiderl.serving.ctb", "tiderl.serving.rank",
     "tiderl.serving.pages", "tiderl.serving.tasktable", "tiderl.serving.taskstats",
-    "tiderl.serving.warmup",
+    "tiderl.serving.warmup", "tiderl.serving.ctb_usage",
     "tiderl.serving.ctb_config", "tiderl.serving.valve", "tiderl.serving.preempt",
     "tiderl.serving.vanilla", "tiderl.serving.mrope", "tiderl.models.vision_inputs",
     "tiderl.serving.rollout", "tiderl.serving.rollout_window", "tiderl.serving.rollout_stats",
