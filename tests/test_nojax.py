@@ -33,7 +33,7 @@ NO_JAX = [
     "tiderl.serving.ctb_config", "tiderl.serving.valve", "tiderl.serving.preempt",
     "tiderl.serving.vanilla", "tiderl.serving.mrope", "tiderl.models.vision_inputs",
     "tiderl.serving.rollout", "tiderl.serving.rollout_window", "tiderl.serving.rollout_stats",
-    "tiderl.serving.trajectory",
+    "tiderl.serving.trajectory", "tiderl.serving.rank_worker",
     "tiderl.train", "tiderl.train.config", "tiderl.train.dispatch", "tiderl.train.ra2p",
     "tiderl.train.advantages", "tiderl.train.image_window", "tiderl.models.rope_index",
     "tiderl.runtime.world", "tiderl.runtime.channel", "tiderl.runtime.cells", "tiderl.runtime.wire", "tiderl.runtime.remote_rank",
