@@ -25,6 +25,7 @@ NO_JAX = [
     "tiderl.sim.jobs", "tiderl.sim.fig14",
     "tiderl.envs.tasks", "tiderl.envs.taskfile", "tiderl.envs.rewards", "tiderl.envs.suites",
     "tiderl.envs.health", "tiderl.envs.images", "tiderl.envs.latency", "tiderl.envs.turns",
+    "tiderl.envs.sessions",
     "tiderl.envs.adapters.base", "tiderl.envs.adapters.default", "tiderl.envs.adapters.gui",
     "tiderl.envs.adapters.gui_desk",
     "tiderl.agents", "tiderl.agents.chat", "tiderl.agents.toolcalls", "tiderl.agents.conversation",

@@ -4,7 +4,9 @@ Sessions live in memory. Each session's requests (/observation, /end, /pause, /r
 serialised by its own lock and mark it busy; the adapter of a session is never called
 concurrently, and the reaper never closes a busy session. The reaper closes sessions idle for
 `idle_timeout_s`; the idle clock stops while a session is paused (the point of /pause: CTB may
-park a task for long).
+park a task for long). Those four routes, and the session records, are in `sessions.py` (the
+SessionRoutes mixin EnvServer inherits); this module holds the server's lifecycle, its
+middleware and helpers, /start, /health and /metrics.
 
 A client's /start options are checked against the adapter's `client_options`; paths never
 come from a client: adapters keep their files (TextWorld's compiled games) in the server's own
@@ -21,10 +23,8 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import hmac
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -41,35 +41,12 @@ from tiderl.envs.adapters.base import Adapter, Observation, TaskError
 from tiderl.envs.config import EnvConfig
 from tiderl.envs.images import Image, check_all, to_wire
 from tiderl.envs.latency import LatencyModel
-from tiderl.envs.protocol import ProtocolError, SessionRequest, StartRequest, StepRequest
+from tiderl.envs.protocol import ProtocolError, StartRequest
+from tiderl.envs.sessions import ServerSession, SessionRoutes, Tombstone, json_reply
 
 _TOMBSTONES = 16384  # ended sessions remembered (late requests get 410, a retried /end its reply)
 _START_REPLIES = 8192  # /start replies kept for idempotent retries
 _START_REPLY_IMAGE_BYTES = 64 << 20  # ... and at most this many bytes of their images
-
-
-@dataclasses.dataclass
-class _Session:
-    id: str
-    task_id: str
-    adapter: Adapter
-    lock: asyncio.Lock
-    last_active: float
-    paused: bool = False
-    paused_at: float = 0.0
-    busy: int = 0
-    turn: int = 0
-    done: bool = False
-    last_request_id: str | None = None
-    last_reply: tuple[int, dict[str, Any]] | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class _Tombstone:
-    why: str
-    end_request_id: str | None = None
-    end_reply: tuple[int, bytes] | None = None
-    """The /end reply as sent (JSON bytes: thousands of tombstones stay small)."""
 
 
 class _Metrics:
@@ -90,7 +67,7 @@ class _Metrics:
                                      registry=r)
 
 
-class EnvServer:
+class EnvServer(SessionRoutes):
     """Hosts `adapter_cls` sessions; `app` is the aiohttp application, `serve()` runs it."""
 
     def __init__(self, adapter_cls: type[Adapter] | Callable[..., Adapter], cfg: EnvConfig,
@@ -117,8 +94,8 @@ class EnvServer:
             raise ConfigError(f"config key 'env.options'={opts}: {e}; fix that option "
                               "(env.options, or --option of python -m tiderl.envs serve)") from e
         self._latency = LatencyModel(cfg.latency)
-        self._sessions: dict[str, _Session] = {}
-        self._tombs: collections.OrderedDict[str, _Tombstone] = collections.OrderedDict()
+        self._sessions: dict[str, ServerSession] = {}
+        self._tombs: collections.OrderedDict[str, Tombstone] = collections.OrderedDict()
         self._start_replies: collections.OrderedDict[str, tuple[dict[str, Any], int]] = (
             collections.OrderedDict())
         self._start_reply_bytes = 0
@@ -195,7 +172,7 @@ class EnvServer:
             response = await handler(request)
         except ProtocolError as e:
             headers = {"Retry-After": "1"} if e.status == 429 else None
-            response = _json({"error": e.message}, e.status, headers=headers)
+            response = json_reply({"error": e.message}, e.status, headers=headers)
         except web.HTTPException as e:
             if e.status == 413:
                 msg = (f"request body exceeds the limit of {self.cfg.max_request_bytes} bytes; "
@@ -206,7 +183,7 @@ class EnvServer:
                 msg = f"no route {request.path}; routes are {', '.join(sorted(_ROUTES))}"
             else:
                 msg = e.text or e.reason
-            response = _json({"error": msg}, e.status, headers=_plain_headers(e))
+            response = json_reply({"error": msg}, e.status, headers=_plain_headers(e))
         self.metrics.requests.labels(route, str(response.status)).inc()
         return response
 
@@ -236,7 +213,7 @@ class EnvServer:
             raise ProtocolError(400, "JSON body nested too deeply; send a flat JSON object"
                                 ) from None
 
-    def _live(self, session_id: str) -> _Session:
+    def _live(self, session_id: str) -> ServerSession:
         s = self._sessions.get(session_id)
         if s is not None:
             return s
@@ -290,11 +267,11 @@ class EnvServer:
                 self._pool, lambda: fn(*args, **kwargs))
         return fn(*args, **kwargs)
 
-    async def _close(self, s: _Session, why: str) -> tuple[float, dict[str, Any]] | None:
+    async def _close(self, s: ServerSession, why: str) -> tuple[float, dict[str, Any]] | None:
         """Removes `s` and closes its adapter; returns the adapter's (reward, info) if it can."""
         if self._sessions.pop(s.id, None) is None:
             return None
-        self._tomb(s.id, _Tombstone(why))
+        self._tomb(s.id, Tombstone(why))
         self.metrics.ended.labels(why.split(" ")[0]).inc()
         self._gauges()
         try:
@@ -302,7 +279,7 @@ class EnvServer:
         except Exception:  # noqa: BLE001 - the session is gone either way; close must not fail
             return None
 
-    def _tomb(self, session_id: str, tomb: _Tombstone) -> None:
+    def _tomb(self, session_id: str, tomb: Tombstone) -> None:
         self._tombs[session_id] = tomb
         while len(self._tombs) > _TOMBSTONES:
             self._tombs.popitem(last=False)
@@ -311,10 +288,10 @@ class EnvServer:
         self.metrics.live.set(len(self._sessions))
         self.metrics.paused.set(sum(s.paused for s in self._sessions.values()))
 
-    async def _adapter_failed(self, s: _Session, where: str, e: Exception) -> web.Response:
+    async def _adapter_failed(self, s: ServerSession, where: str, e: Exception) -> web.Response:
         await self._close(s, f"adapter error in {where}: {type(e).__name__}")
-        return _json({"error": f"environment failed in {where}: {type(e).__name__}: {e}; "
-                               f"session {s.id!r} closed"}, 500)
+        return json_reply({"error": f"environment failed in {where}: {type(e).__name__}: {e}; "
+                                    f"session {s.id!r} closed"}, 500)
 
     # ---------------------------------------------------------------- routes
 
@@ -324,11 +301,11 @@ class EnvServer:
         self._check_request_images(req.images, "/start")
         if req.request_id is not None:
             if req.request_id in self._start_replies:
-                return _json(self._start_replies[req.request_id][0])
+                return json_reply(self._start_replies[req.request_id][0])
             pending = self._start_inflight.get(req.request_id)
             if pending is not None:
                 status, body = await asyncio.shield(pending)
-                return _json(body, status)
+                return json_reply(body, status)
         if len(self._sessions) + self._starting >= self.cfg.max_sessions:
             raise ProtocolError(429, f"server holds {self.cfg.max_sessions} live sessions "
                                      "(env.max_sessions); end or wait for some, then retry")
@@ -350,7 +327,7 @@ class EnvServer:
         future.set_result((status, body))
         if req.request_id is not None and status == 200:
             self._keep_start_reply(req.request_id, body)
-        return _json(body, status)
+        return json_reply(body, status)
 
     async def _do_start(self, task: dict[str, Any], options: Mapping[str, str] | None = None
                         ) -> tuple[int, dict[str, Any]]:
@@ -382,131 +359,16 @@ class EnvServer:
                 await self._call(adapter, adapter.close)
             return 500, {"error": f"environment failed in reset: {type(e).__name__}: {e}"}
         loop = asyncio.get_running_loop()
-        self._sessions[session_id] = _Session(session_id, task_id, adapter, asyncio.Lock(),
-                                              loop.time())
+        self._sessions[session_id] = ServerSession(session_id, task_id, adapter, asyncio.Lock(),
+                                                   loop.time())
         self.metrics.started.inc()
         self._gauges()
         return 200, {"session": session_id, **observation}
 
-    async def _step(self, request: web.Request) -> web.Response:
-        req = StepRequest.parse(await self._body(request),
-                                max_action_chars=self.cfg.action_chars, images=self.cfg.images)
-        s = self._live(req.session)
-        self._check_request_images(req.images, "/observation")
-        s.busy += 1
-        try:
-            async with s.lock:
-                if req.request_id is not None and req.request_id == s.last_request_id:
-                    status, body = s.last_reply  # type: ignore[misc]  # set with the id
-                    return _json(body, status)
-                if req.session not in self._sessions:
-                    return _json({"error": f"session {s.id!r} ended while this request "
-                                           "waited"}, 410)
-                if s.paused:
-                    raise ProtocolError(409, f"session {s.id!r} is paused; POST /resume "
-                                             "before /observation")
-                if s.done:
-                    raise ProtocolError(409, f"session {s.id!r}'s episode is done; POST /end "
-                                             "to collect the reward")
-                t0 = time.perf_counter()
-                delay = self._latency.sample(s.task_id, s.turn + 1)
-                if delay:
-                    await asyncio.sleep(delay)
-                try:
-                    step = await self._call(s.adapter, s.adapter.step, req.action,
-                                            **({"images": req.images} if req.images else {}))
-                    observation = self._observation(step.observation,
-                                                    getattr(step, "images", ()),
-                                                    "step's observation")
-                except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
-                    return await self._adapter_failed(s, "step", e)
-                s.turn += 1
-                done = bool(step.done) or s.turn >= self.cfg.max_turns
-                s.done = done
-                reward, bad = _reward(step.reward, optional=True)
-                body = {**observation, "done": done, "reward": reward, "turn": s.turn}
-                if bad:
-                    body["reward_error"] = bad
-                if done and not step.done:
-                    body["truncated"] = "turn_limit"
-                s.last_request_id, s.last_reply = req.request_id, (200, body)
-                self.metrics.step_s.observe(time.perf_counter() - t0)
-                return _json(body)
-        finally:
-            s.busy -= 1
-            s.last_active = asyncio.get_running_loop().time()
-
-    async def _end(self, request: web.Request) -> web.Response:
-        req = SessionRequest.parse(await self._body(request))
-        tomb = self._tombs.get(req.session)
-        if tomb is not None and req.request_id is not None and req.request_id == (
-                tomb.end_request_id):
-            status, raw = tomb.end_reply  # type: ignore[misc]  # set with the id
-            return web.Response(body=raw, status=status, content_type="application/json")
-        s = self._live(req.session)
-        s.busy += 1
-        try:
-            async with s.lock:
-                if req.session not in self._sessions:
-                    return await self._end(request)  # ended while we waited: replay or 410
-                self._sessions.pop(s.id)
-                self._gauges()
-                try:
-                    value, info = await self._call(s.adapter, s.adapter.close)
-                    reward, bad = _reward(value, optional=False)
-                    status, body = 200, {"reward": reward, "info": _jsonable(info),
-                                         "turns": s.turn}
-                    if bad:
-                        body["reward_error"] = bad
-                    why = "ended by /end"
-                except Exception as e:  # noqa: BLE001 - env failure: 500, session closed
-                    status, body = 500, {"error": f"environment failed in close: "
-                                                  f"{type(e).__name__}: {e}; session "
-                                                  f"{s.id!r} closed"}
-                    why = f"adapter error in close: {type(e).__name__}"
-                self._tomb(s.id, _Tombstone(why, req.request_id,
-                                            (status, json.dumps(body).encode())))
-                self.metrics.ended.labels(why.split(" ")[0]).inc()
-                return _json(body, status)
-        finally:
-            s.busy -= 1
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        return await self._park(request, paused=True)
-
-    async def _resume(self, request: web.Request) -> web.Response:
-        return await self._park(request, paused=False)
-
-    async def _park(self, request: web.Request, *, paused: bool) -> web.Response:
-        """/pause or /resume: under the session's lock and marked busy, like /observation, so
-        the adapter's pause never runs beside its step and the reaper never closes it midway."""
-        req = SessionRequest.parse(await self._body(request))
-        s = self._live(req.session)
-        where = "pause" if paused else "resume"
-        s.busy += 1
-        try:
-            async with s.lock:
-                if req.session not in self._sessions:
-                    return _json({"error": f"session {s.id!r} ended while this request "
-                                           "waited"}, 410)
-                if s.paused != paused:
-                    try:
-                        await self._call(s.adapter, s.adapter.pause if paused
-                                         else s.adapter.resume)
-                    except Exception as e:  # noqa: BLE001
-                        return await self._adapter_failed(s, where, e)
-                    s.paused = paused
-                    s.paused_at = asyncio.get_running_loop().time()  # the paused clock starts
-                    self._gauges()
-                return _json({"session": s.id, "paused": paused})
-        finally:
-            s.busy -= 1
-            s.last_active = asyncio.get_running_loop().time()
-
     async def _health(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", "suite": self.suite, "sessions": len(self._sessions),
-                      "paused": sum(s.paused for s in self._sessions.values()),
-                      "uptime_s": round(time.monotonic() - self._t0, 3)})
+        return json_reply({"status": "ok", "suite": self.suite, "sessions": len(self._sessions),
+                           "paused": sum(s.paused for s in self._sessions.values()),
+                           "uptime_s": round(time.monotonic() - self._t0, 3)})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=prom.generate_latest(self.metrics.registry),
@@ -532,45 +394,6 @@ async def endpoint(cfg: EnvConfig) -> AsyncIterator[str]:
 _ROUTES = {"/start", "/observation", "/end", "/pause", "/resume", "/health", "/metrics"}
 
 
-def _json(body: dict[str, Any], status: int = 200, headers: Mapping[str, str] | None = None
-          ) -> web.Response:
-    return web.json_response(body, status=status, headers=headers)
-
-
 def _plain_headers(e: web.HTTPException) -> dict[str, str]:
     # Keep Allow (405) and Retry-After; drop Content-Type/Length of the plain-text body.
     return {k: v for k, v in e.headers.items() if k in ("Allow", "Retry-After")}
-
-
-def _reward(value: Any, *, optional: bool) -> tuple[float | None, str]:
-    """An adapter's reward as the reply carries it: (a finite float, ''), or (None, why not)
-    for NaN, inf, a non-number, or None where a reward is due (/end). The JSON stays standard
-    (no NaN literal); the client ends such a task bad_reward."""
-    if value is None:
-        return None, "" if optional else "the adapter returned no reward (None)"
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        number = float(value)
-    except (TypeError, ValueError):
-        return None, f"the adapter returned reward {value!r} ({type(value).__name__}), not a number"
-    if not math.isfinite(number):
-        return None, f"the adapter returned reward {number}, not a finite number"
-    return number, ""
-
-
-def _jsonable(value: Any) -> Any:
-    """Adapter info made JSON-safe (numpy scalars, tuples, sets) without failing the reply."""
-    try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return json.loads(json.dumps(value, default=_fallback))
-
-
-def _fallback(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    return repr(value)
