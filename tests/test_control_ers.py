@@ -478,3 +478,29 @@ def test_a_dedicated_ref_only_where_one_cell_keeps_pace_with_the_actor():
     assert moves(plans) == []  # the backlog at the break-even alone asks for a Ref: none pays
     plans, after = run(ERSPlanner(ERSConfig(patience=2)), [{**slow, **CON}] * 2, cells)
     assert moves(plans) == [("rollout", "trainer")] and after.count("ref") == 0
+
+
+def test_a_latency_bound_generation_deficit_compacts_rollout_into_the_trainer():
+    # 8 rollout cells busy 50% of the step while the trainer waits: the same work fits 5
+    # engines at 85% busy (8 · 0.5 / 0.85 = 4.7, rounded up), so 3 cells join the trainer,
+    # and the plan says what busy share it expects.
+    start = CellMap(("rollout",) * 8 + ("trainer",) * 8)
+    idle = dict(GEN, gen_rate=1.0, train_rate=3.0, twt_frac=0.6, rollout_busy=0.5)
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)), [idle] * 2, start)
+    assert cells.count("rollout") == 5 and moves(plans) == [("rollout", "trainer")]
+    p = plans[-1]
+    assert p.rule == "compact" and "busy 50%" in p.reason and "trainer +3 cells" in p.reason
+    assert p.effect["predicted_rollout_busy"] == pytest.approx(0.8)
+    # Half of the giving role's cells at most; compact_busy=0 holds instead.
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2)),
+                       [dict(idle, rollout_busy=0.1)] * 2, start)
+    assert cells.count("rollout") == 4
+    plans, cells = run(ERSPlanner(ERSConfig(patience=2, compact_busy=0.0)), [idle] * 2, start)
+    assert cells == start and plans[-1].rule == "hold"
+    # Right after a generation move, compacting would undo it: the cooldown holds instead.
+    planner = ERSPlanner(ERSConfig(patience=1, cooldown=3))
+    busy = dict(idle, rollout_busy=0.9)
+    plans, cells = run(planner, [busy, busy, idle], start)
+    assert [p.rule for p in plans] == ["generation", "keep", "hold"]
+    with pytest.raises(ConfigError, match="compact_busy"):
+        ERSConfig(compact_busy=1.5)

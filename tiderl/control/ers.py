@@ -47,7 +47,10 @@ Rules of `ERSPlanner` (each plan carries its reason):
 5. Generation deficit (the next batch is short of B_ideal and the trainer waited) held for
    `patience` boundaries: a Ref cell joins rollout (colocated RA2P), else trainer cells do —
    unless the rollout engines idled more than `wait_frac` of the step (`Signals.rollout_busy`):
-   then generation is bound by latency, not by cells, and the plan holds (rule `hold`).
+   then generation is bound by latency, not by cells, and rollout compacts instead (rule
+   `compact`): its cells join the trainer until the engines left would be busy
+   `compact_busy` of the step, since what a cell can shorten then is the trainer's compute
+   after the last group arrives; the plan holds (rule `hold`) when no cell is to spare.
 6. Sizing: the signals choose the direction, the measured rates the size. Groups generated per
    rollout cell (the throttled share of the interval taken out) against groups trained per
    trainer cell put the balance at N·c/(g + c) rollout cells; a deficit's move covers the gap
@@ -202,6 +205,29 @@ class ERSPlanner:
             return None
         return (f"rollout engines busy {b:.0%} of the step: generation is bound by latency "
                 "(environment, staleness window), not by rollout cells")
+
+    def _compact(self, s: Signals, cells: CellMap, why: str) -> ScalingPlan | None:
+        """A latency-bound generation deficit (`_latency_bound`): rollout cells join the
+        trainer until the engines left would be busy `compact_busy` of the step (their work
+        unchanged, spread over fewer engines), at most `max_move_cells`. The groups wait on
+        latency either way; what a trainer cell shortens is the trainer's compute after the
+        last of them arrives. None: no cell to spare at that target (or compaction off, or
+        the cooldown against undoing the last move)."""
+        c = self.cfg
+        n_r = cells.count("rollout")
+        if not c.compact_busy or n_r <= 1:
+            return None
+        keep = max(1, math.ceil(n_r * s.rollout_busy / c.compact_busy - 1e-9))
+        cap = c.max_move_cells or -(-n_r // 2)
+        n = min(cap, n_r - keep)
+        if n < 1:
+            return None
+        effect = {"rollout_busy": s.rollout_busy, "rollout_cells_before": n_r,
+                  "predicted_rollout_busy": s.rollout_busy * n_r / (n_r - n)}
+        p = self._move(cells, "rollout", "trainer", s, rule="compact", n=n,
+                       reason=f"{why}: rollout compacts to engines {c.compact_busy:.0%} busy, "
+                              "trainer +{n}")
+        return None if p is None else dataclasses.replace(p, effect=effect)
 
     def _starving(self, s: Signals) -> str | None:
         """A generation deficit the rates predict before the trainer has waited (the paper's
@@ -378,6 +404,9 @@ class ERSPlanner:
                     return p
         if self._gen >= c.patience and (bound := self._latency_bound(s)) is not None:
             self._gen = 0
+            p = self._compact(s, cells, f"generation deficit{why}, but {bound}")
+            if p is not None:
+                return p
             return ScalingPlan(cells, rule="hold", ref_mode=ref_mode_of(cells),
                                reason=f"generation deficit{why}, but {bound}: roles kept")
         if self._gen >= c.patience:
