@@ -83,11 +83,12 @@ class ReadinessAware:
                                                   and self.step % c.eval_every == 0
                                                   and self.step < c.steps),
                                 train_rate=train_rate, ref_pace=pace,
-                                rollout_busy=self._rollout_busy())
+                                rollout_busy=self._rollout_busy(out))
 
-    def _rollout_busy(self) -> float:
+    @staticmethod
+    def _rollout_busy(out: dict) -> float:
         """The rollout engines' busy share over this step (nan: unknown)."""
-        busy = self.manager.stats().get("engine_busy")
+        busy = out["rollout_stats"].get("engine_busy")
         return float(busy) if busy is not None else float("nan")
 
     def _to_signals(self, r: Readiness, *, eval_next: bool, cold_start: bool = False,
@@ -122,6 +123,9 @@ class ReadinessAware:
         """Signals → plan → role change → weight sync (to every live rank, new ones included);
         returns the seconds it took."""
         t0 = self.now()
+        # The rollout's figures over the step, before the plan changes which ranks roll out
+        # (the step record reports these too: ranks that join hold none of the step's work).
+        out["rollout_stats"] = self.manager.stats()
         self.roles.finish_pending()
         signals = self._signals(out)
         plan = self.planner.plan(signals, self.roles.cells)

@@ -114,7 +114,7 @@ class Reporting:
         m, r = out["train"], out["readiness"]
         wall = self.now() - self._t0
         taken: list[ReadyGroup] = out["taken"]
-        rs = self.manager.stats()
+        rs = out.get("rollout_stats") or self.manager.stats()  # taken before the role change
         rec = {
             "kind": "step", "step": self.step, "version": self.version, "wall_s": wall,
             "goodput": self.consumed_tokens / max(wall, 1e-9),
