@@ -8,7 +8,7 @@ from tiderl.configlib import ConfigError
 from tiderl.control.buffer import ReadinessBuffer
 from tiderl.control.ers import ERSConfig, ERSPlanner
 from tiderl.control.fixed_plans import KeepSplit
-from tiderl.control.plans import CellMap, Signals
+from tiderl.control.plans import CellMap, ScalingPlan, Signals
 from tiderl.envs.protocol import EndReason
 from tiderl.serving.trajectory import Trajectory
 from tiderl.train.ra2p import PhaseCosts, break_even_ras, choose_mode, predicted_ready_times
@@ -219,7 +219,8 @@ def test_rates_predict_a_generation_deficit_a_burst_would_hide():
     p1 = planner.plan(Signals(step=1, **first), start)
     p2 = planner.plan(Signals(step=2, **second), p1.cells)
     assert not p1.moves and p2.rule == "generation" and len(p2.moves) == 12  # half of 24
-    assert "the trainer would wait 94% of its steps" in p2.reason
+    # (The rate read is the two boundaries' mean, 0.11 groups/s: the roles did not change.)
+    assert "the trainer would wait 93% of its steps" in p2.reason
     # A consumption deficit at the run's first boundary does not count (its step compiled):
     # with patience 2 nothing moves at the second boundary.
     planner = ERSPlanner(ERSConfig(patience=2, max_ref_cells=0, cold_start_share=0.0))
@@ -504,3 +505,20 @@ def test_a_latency_bound_generation_deficit_compacts_rollout_into_the_trainer():
     assert [p.rule for p in plans] == ["generation", "keep", "hold"]
     with pytest.raises(ConfigError, match="compact_busy"):
         ERSConfig(compact_busy=1.5)
+
+
+def test_the_generation_rate_is_the_mean_of_two_boundaries_at_the_same_roles():
+    # Alternate steps generate 0.06 and 0.12 groups/s at the same roles (a staleness window's
+    # rhythm): the rules read 0.09 from the second boundary on, and one step's rate again
+    # right after the roles change.
+    cells = CellMap(("rollout",) * 4 + ("trainer",) * 4)
+    planner = ERSPlanner()
+    seen = []
+    planner._plan = lambda s, c: (seen.append(s.gen_rate), ScalingPlan(c))[1]
+    for g in (0.06, 0.12, 0.06):
+        planner.plan(Signals(step=1, gen_rate=g), cells)
+    moved = cells.with_role(7, "rollout")
+    planner.plan(Signals(step=4, gen_rate=0.12), moved)
+    planner.plan(Signals(step=5, gen_rate=math.nan), moved)
+    assert seen[:4] == [0.06, pytest.approx(0.09), pytest.approx(0.09), 0.12]
+    assert math.isnan(seen[4])
