@@ -52,7 +52,8 @@ Rules of `ERSPlanner` (each plan carries its reason):
    `compact_busy` of the step, since what a cell can shorten then is the trainer's compute
    after the last group arrives; the plan holds (rule `hold`) when no cell is to spare.
 6. Sizing: the signals choose the direction, the measured rates the size. Groups generated per
-   rollout cell (the throttled share of the interval taken out) against groups trained per
+   rollout cell (the throttled share of the interval taken out; the mean of the last two
+   boundaries when both ran at the same roles, `_smoothed`) against groups trained per
    trainer cell put the balance at N·c/(g + c) rollout cells; a deficit's move covers the gap
    to it, at least one cell and at most `max_move_cells` (default half of the giving role's
    cells, rounded up), so a large imbalance closes in one or two boundaries instead of one
