@@ -108,9 +108,9 @@ class ERSPlanner:
         self._since_last = math.inf
         self._eval_moved: Move | None = None
         self._lent: tuple[Move, ...] = ()
+        """Trainer cells the cold start lent to rollout, until the first boundary."""
         self._gen_seen: tuple[tuple[str, ...], float] | None = None
         """The last boundary's roles and generation rate (`_smoothed`)."""
-        """Trainer cells the cold start lent to rollout, until the first boundary."""
 
     # -- bounds ---------------------------------------------------------------------------
     def _can_leave(self, cells: CellMap, role: str) -> bool:
