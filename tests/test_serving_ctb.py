@@ -61,7 +61,6 @@ workloads = st.fixed_dictionaries({
     "busy": st.sampled_from([0.0, 0.5, 1.0]),
     "park_min_wait": st.sampled_from([0.0, 0.5]),
     "overcommit": st.sampled_from([1.0, 3.0]),
-    "budget_fraction": st.sampled_from([1.0, 0.8]),
 })
 
 
@@ -88,14 +87,11 @@ def check_round(s: CTBScheduler, decisions, before: dict[str, str], executing: s
             # A task inside its prefill/decode finishes that turn on its rank: never paused.
             assert d.task_id not in executing, d
     # Budgets hold (workloads keep every single task below a rank's budget), except on a rank
-    # where only executing tasks are left to pause (a later round pauses them), and within the
-    # pool on an idle rank that runs a task with its observation past the budget.
+    # where only executing tasks are left to pause: a later round pauses them.
     for r in s.live_ranks():
         on = s.active_on(r)
-        past = s._past_budget_ok(r) and s.usage(r) <= s.capacity[r] and any(
-            t.ready and not t.executing for t in on)
-        assert s.usage(r) <= s.budget(r) or len(on) == 1 or all(t.executing for t in on) \
-            or past, (r, s.usage(r), s.budget(r))
+        assert s.usage(r) <= s.budget(r) or len(on) == 1 or all(t.executing for t in on), (
+            r, s.usage(r), s.budget(r))
     # Paused tasks are resumed before new ones are admitted: no paused task would have fit on a
     # rank in the room that this round's non-eval admissions took (a new eval task outranks a
     # paused non-eval one and may preempt it). A task parked by the release valve is the
@@ -133,7 +129,6 @@ def _group(size, prompt=10, growth=5, is_eval=False):
 PREEMPTED_OVERTAKEN = {
     "ranks": 2, "capacity": 300, "seed": 73, "horizon": None, "unsized": True,
     "shared": False, "page": 1, "busy": 0.0, "park_min_wait": 0.0, "overcommit": 1.0,
-    "budget_fraction": 1.0,
     "groups": [_group(3, is_eval=True), _group(3, is_eval=True), _group(2), _group(1),
                _group(1, prompt=20, growth=40), _group(1), _group(1), _group(1)]}
 
@@ -144,12 +139,9 @@ PREEMPTED_OVERTAKEN = {
 def test_ctb_invariants_under_random_workloads(w):
     rng = random.Random(w["seed"])
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
-    bf = w["budget_fraction"]
-    # One task always fits a rank's budget.
-    cap = max(w["capacity"], -(-(max_ctx + CFG.action_reserve) * 10 // round(bf * 10)))
+    cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
     cfg = dataclasses.replace(CFG, shared_prompts=w["shared"], wait_samples=2,
-                              park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"],
-                              budget_fraction=bf)
+                              park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"])
     s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1, page_size=w["page"])
     s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
     now = [0.0]
@@ -504,48 +496,6 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s.finish("e")
     assert s.schedule() == [Resume("r", 0, False)]
     s._check_indexes()
-
-
-def test_a_ready_task_runs_past_the_budget_within_the_pool_while_its_engine_idles():
-    # Budget 80 of a 100-token pool. A and B are inside their turns and hold the room; R has
-    # its observation. There is no waiting task to park: on an idle engine R runs past the
-    # budget, up to the pool; the rank comes back to its budget as turns end.
-    cfg = CTBConfig(action_reserve=0, budget_fraction=0.8, plan_growth=False, wait_samples=1,
-                    park_min_wait=0.0)
-
-    def setup(r_ready: int, **kw) -> CTBScheduler:
-        s = CTBScheduler(dataclasses.replace(cfg, **kw), [100], max_context=1000)
-        s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=20) for n in "abr"])
-        assert len(s.schedule()) == 3
-        s.update_usage("a", 40, executing=True)
-        s.update_usage("b", 30, executing=True)
-        s.update_usage("r", 25, executing=True)
-        s.set_executing("r", False)  # 95 > 80: R, waiting on its env, is the one to pause
-        assert s.schedule() == [Pause("r", 0)]
-        s.update_usage("r", r_ready, ready=True)
-        return s
-
-    s = setup(28)
-    # A saturated engine (the scheduler's start value): running R sooner adds nothing.
-    assert s.engine_busy == [1.0] and s.schedule() == []
-    s.engine_busy = [0.5]
-    assert s.schedule() == [Resume("r", 0, False)] and s.usage(0) == 98
-    assert s.schedule() == []  # over budget, within the pool, ready: R is not paused again
-    s.submit([Task(task_id="n", group_id="N", prompt_tokens=1)])
-    assert s.schedule() == []  # no new task past the budget
-    s.set_executing("r", True)
-    s.set_executing("a", False)  # A's turn ends: it waits on its env, the rank is over budget
-    assert s.schedule() == [Pause("a", 0)] and s.usage(0) == 58
-    s._check_indexes()
-    # Past the pool (40 + 30 + 35 > 100), or with the option off, R waits for room.
-    s = setup(35)
-    s.engine_busy = [0.5]
-    assert s.schedule() == []
-    s = setup(28, ready_past_budget=False)
-    s.engine_busy = [0.5]
-    assert s.schedule() == []
-    s.finish("a")
-    assert s.schedule() == [Resume("r", 0, False)]
 
 
 def test_overcommit_stretches_the_budget_while_the_engine_idles():

@@ -29,9 +29,7 @@ parks such tasks (paused, KV kept until pages are needed, no budget held, not re
 their environment answers) to give their room to a task that has its observation, or, while a
 rank's engine has time to spare, to admit more work as long as what the live tasks need on
 average still fits (see `ReleaseValve.park_for_demand`). A task with its observation waiting
-for room goes before new tasks; when parking makes no room for it (the room is held by tasks
-inside their turn) and its engine idles, it runs past the budget, up to the KV pool
-(`CTBConfig.ready_past_budget`).
+for room goes before new tasks.
 """
 
 from __future__ import annotations
@@ -141,7 +139,6 @@ class CTBScheduler(UsageTable):
             if self.valve.park_for_demand(ranks, out):
                 self._resume_paused(ranks, out)
                 self._admit_new(ranks, out)
-            self._resume_past_budget(ranks, out)
         finally:
             self._round_budgets = None
         return out
@@ -158,9 +155,7 @@ class CTBScheduler(UsageTable):
         """1. Pause the lowest priority while a rank is over budget (never below one task).
         An executing task is never paused: its turn ends on this rank whatever we decide, and
         its KV keeps counting here. When only executing tasks are left the rank stays over
-        budget until a later round (after `set_executing(..., False)`) can pause one. With
-        `ready_past_budget`, on a rank whose engine idles, a task that has its observation
-        ends the pausing while the rank is within its pool."""
+        budget until a later round (after `set_executing(..., False)`) can pause one."""
         own, prompts = self._own, self._prompt_sum
         for r in ranks:
             budget = self.budget(r)
@@ -169,16 +164,11 @@ class CTBScheduler(UsageTable):
             if own[r] + prompts[r] <= budget:  # `usage(r)`, inlined (every rank every round)
                 continue
             active = self._active[r]
-            past = self._past_budget_ok(r)
             # Pausing one task changes no other's value: one sort gives the order.
             victims = sorted((t for t in active.values() if not t.executing),
                              key=lambda t: (self.keep_value(t), t.task_id))
             for victim in victims:
                 if len(active) <= 1 or self.usage(r) <= budget:
-                    break
-                if past and victim.ready and self.usage(r) <= self.capacity[r]:
-                    # It wants the idle engine now (`ready_past_budget`), and what is left
-                    # is worth more: the rank stays past its budget, within its pool.
                     break
                 self.pause(victim, r, out)
 
@@ -215,38 +205,6 @@ class CTBScheduler(UsageTable):
                     out.extend(self.preemption.make_room(t, r))
                     self._resume(t, ranks, out)
                     preempted = True
-                    break
-
-    def _past_budget_ok(self, rank: int) -> bool:
-        """A ready task may run past `rank`'s budget, within its pool (`ready_past_budget`):
-        the rank's engine has time to spare."""
-        c = self.cfg
-        return c.ready_past_budget and self.engine_busy[rank] < c.park_below_busy
-
-    def _resume_past_budget(self, ranks: list[int], out: list[Decision]) -> None:
-        """5. (`ready_past_budget`) A task that has its observation and still found no room
-        (the valve parked nothing for it) resumes past the budget, up to the KV pool, on a
-        rank whose engine idles: its own rank first (its KV may be resident), then the one
-        with most pool left. Highest priority first; each resume only takes room."""
-        conc = self.cfg.env_concurrency
-        cap = self.max_tasks_per_rank
-        ready = [t for t in self._paused.values() if t.ready and not t.parked]
-        if not ready or not any(self._past_budget_ok(r) for r in ranks):
-            return
-        ready.sort(key=lambda t: (-self.priority(t), t.task_id))
-        for t in ready:
-            if self._n_active >= conc:
-                return
-            home = self.affinity(t)
-            order = sorted((r for r in ranks if self._past_budget_ok(r) and (
-                cap is None or len(self._active[r]) < cap)),
-                key=lambda r: (r != home, self.usage(r) - self.capacity[r], r))
-            for r in order:
-                if self.usage(r) + self.marginal(r, t, self.probe_size(t)) <= self.capacity[r]:
-                    self._resumed.add(t.task_id)
-                    migrated = t.rank is None or t.rank != r
-                    self._move(t, "active", r)
-                    out.append(Resume(t.task_id, r, migrated))
                     break
 
     def joined_this_round(self, task_id: str) -> bool:

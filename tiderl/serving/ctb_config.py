@@ -63,15 +63,6 @@ class CTBConfig:
     resumed first once their environment answers. A rank busier than this parks nothing:
     its engine has no time for more work, and parked KV evicted when pages run short is
     computed again. 0 turns parking off (tasks pause only when their rank is over budget)."""
-    ready_past_budget: bool = True
-    """A task that has its observation and fits no rank's budget, when parking waiting tasks
-    made no room (the room is held by tasks inside their turn, or by tasks the valve may not
-    park yet), resumes past the budget, up to the rank's KV pool, on a rank whose engine has
-    time to spare (`park_below_busy`; off with it): the engine would otherwise idle while a
-    task that wants it waits. Its pages come from paused and parked KV (lowest `keep_value`
-    first). The pause step leaves such a task be while its rank stays within the pool and
-    idles, and brings the rank back to its budget by pausing tasks as they go back to their
-    environment."""
     park_min_wait: float = 0.5
     """Park only a task whose expected remaining environment wait (learned per task type) is
     at least this share of the type's mean wait."""
