@@ -61,6 +61,7 @@ workloads = st.fixed_dictionaries({
     "busy": st.sampled_from([0.0, 0.5, 1.0]),
     "park_min_wait": st.sampled_from([0.0, 0.5]),
     "overcommit": st.sampled_from([1.0, 3.0]),
+    "budget_fraction": st.sampled_from([1.0, 0.8]),
 })
 
 
@@ -129,6 +130,7 @@ def _group(size, prompt=10, growth=5, is_eval=False):
 PREEMPTED_OVERTAKEN = {
     "ranks": 2, "capacity": 300, "seed": 73, "horizon": None, "unsized": True,
     "shared": False, "page": 1, "busy": 0.0, "park_min_wait": 0.0, "overcommit": 1.0,
+    "budget_fraction": 1.0,
     "groups": [_group(3, is_eval=True), _group(3, is_eval=True), _group(2), _group(1),
                _group(1, prompt=20, growth=40), _group(1), _group(1), _group(1)]}
 
@@ -139,9 +141,12 @@ PREEMPTED_OVERTAKEN = {
 def test_ctb_invariants_under_random_workloads(w):
     rng = random.Random(w["seed"])
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
-    cap = max(w["capacity"], max_ctx + CFG.action_reserve)  # one task always fits a rank
+    bf = w["budget_fraction"]
+    # One task always fits a rank's budget.
+    cap = max(w["capacity"], -(-(max_ctx + CFG.action_reserve) * 10 // round(bf * 10)))
     cfg = dataclasses.replace(CFG, shared_prompts=w["shared"], wait_samples=2,
-                              park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"])
+                              park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"],
+                              budget_fraction=bf)
     s = CheckedCTB(cfg, [cap] * w["ranks"], max_context=max_ctx + 1, page_size=w["page"])
     s.horizon_turns = w["horizon"]  # growth planning on (a turn limit) or off
     now = [0.0]
