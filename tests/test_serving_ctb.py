@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -143,7 +144,7 @@ def test_ctb_invariants_under_random_workloads(w):
     max_ctx = max(g["prompt"] + g["turns"] * g["growth"] for g in w["groups"])
     bf = w["budget_fraction"]
     # One task always fits a rank's budget.
-    cap = max(w["capacity"], -(-(max_ctx + CFG.action_reserve) * 10 // round(bf * 10)))
+    cap = max(w["capacity"], math.ceil((max_ctx + CFG.action_reserve) / bf))
     cfg = dataclasses.replace(CFG, shared_prompts=w["shared"], wait_samples=2,
                               park_min_wait=w["park_min_wait"], overcommit_max=w["overcommit"],
                               budget_fraction=bf)
