@@ -103,12 +103,17 @@ def latency_bound(sync: Result, max_staleness: int) -> dict[str, float]:
 
 
 def breakdown_table(runs: dict[str, Result]) -> None:
-    """One row per run: goodput and where its time went (`breakdown`)."""
+    """One row per run: goodput, where its time went (`breakdown`), and what KV pressure
+    cost its rollout (hit rate, evicted tokens computed again, forced evictions)."""
     rows = [(label, r.summary.get("goodput", math.nan),
-             *(r.stats.get("breakdown", {}).get(k, math.nan) for k in BREAKDOWN))
+             *(r.stats.get("breakdown", {}).get(k, math.nan) for k in BREAKDOWN),
+             r.summary.get("rollout", {}).get("kv_hit_rate", math.nan),
+             r.stats.get("recomputed_evicted", math.nan),
+             r.stats.get("forced_evictions", math.nan))
             for label, r in runs.items()]
     table(rows, ("run", "goodput tok/s", "wall s", "RWT s", "TWT s", "swaps s",
-                 "switches s", "syncs s", "role chg s", "eval in flight s"))
+                 "switches s", "syncs s", "role chg s", "eval in flight s", "KV hit rate",
+                 "recomputed tok", "evictions"))
 
 
 def run_all(cfgs: dict[str, SimConfig], jobs: int = 1,
