@@ -45,6 +45,12 @@ what keeping every task's KV would give. `--ctb-variant k=v,...` adds CTB with t
 overrides as one more contender (e.g. `park_below_busy=0`). The JSON then also has `model`,
 `longest_context_workload` (the workload whose tasks end with the longest mean context) and
 its `hit_rate_ratio`/`step_time_ratio`.
+
+`--host-kv-pages N` runs every contender a second time on an engine with a host KV tier of N
+pages (`rollout.host_kv_pages`; names end in `+host`): evicted contexts are copied back, not
+computed again, and CTB budgets the pool and the tier together, as a job does. The hit rate
+then counts restored tokens as served; `resident on the device` leaves them out. `host` in the
+JSON compares CTB on the tier with the best vanilla cap on the tier and without it.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ from tiderl.envs.templates import template_for  # noqa: E402
 from tiderl.models.config import ModelConfig  # noqa: E402
 from tiderl.models.policy import init_policy  # noqa: E402
 from tiderl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
-from tiderl.serving.config import RolloutConfig  # noqa: E402
+from tiderl.serving.config import RolloutConfig, kv_budget_tokens  # noqa: E402
 from tiderl.serving.ctb import CTBConfig, make_scheduler  # noqa: E402
 from tiderl.serving.engine import Engine, PrefillRequest  # noqa: E402
 from tiderl.serving.rank import RolloutRank  # noqa: E402
@@ -311,6 +317,8 @@ class Contender:
     """CTB with these CTBConfig overrides on top of `--ctb`'s (`--ctb-variant`)."""
     free: bool = False
     """The reference: every task in flight on the second engine, whose pool holds them all."""
+    host: bool = False
+    """On the engine with the host KV tier (`--host-kv-pages`): evicted KV copied back."""
 
     @property
     def name(self) -> str:
@@ -318,7 +326,8 @@ class Contender:
             return "free pool"
         base = "ctb" if self.kind == "ctb" else f"vanilla@{self.cap}"
         return base + ("+share" if self.share else "") + (f"+{self.variant}" if self.variant
-                                                          else "")
+                                                          else "") + ("+host" if self.host
+                                                                      else "")
 
 
 def parse_overrides(text: str) -> dict:
@@ -337,7 +346,8 @@ def new_scheduler(rcfg: RolloutConfig, c: Contender):
                        "vanilla_concurrency": max(1, c.cap),
                        "env_concurrency": rcfg.max_slots, "shared_prompts": c.share,
                        **CTB_OVERRIDES, **parse_overrides(c.variant)})
-    return make_scheduler(c.kind, ctb, [rcfg.num_pages * rcfg.page_size],
+    # The rank's KV as a job budgets it: its pool and, on the tier's engine, the tier.
+    return make_scheduler(c.kind, ctb, [kv_budget_tokens(rcfg)],
                           max_context=rcfg.max_context, page_size=rcfg.page_size)
 
 
@@ -395,6 +405,7 @@ async def run_step(engine: Engine, rcfg: RolloutConfig, wl: Workload, url: str, 
         "computed_tokens": st["computed_tokens"],
         "recomputed_evicted": rs.recomputed_evicted,
         "shared_tokens": c1.prompt_tokens_shared - c0.prompt_tokens_shared,
+        "restored_tokens": c1.prompt_tokens_restored - c0.prompt_tokens_restored,
         "decode_tokens": st["decode_tokens"],
         "decode_tok_s": st["decode_tokens"] / dt,
         "forced_evictions": st["forced_evictions"],
@@ -508,7 +519,8 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         scheds: dict = {}
 
         async def once(c: Contender, label: str) -> dict:
-            eng, cfg = (big, big_cfg) if c.free else (engine, rcfg)
+            eng, cfg = (big, big_cfg) if c.free else (host, host_cfg) if c.host else \
+                (engine, rcfg)
             if label == "sizing" or c not in scheds:
                 scheds[c] = new_scheduler(cfg, c)
             r = await run_step(eng, cfg, wl, url, groups, c, scheds[c], decode_step_s, policy)
@@ -519,7 +531,8 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
                 raise RuntimeError(f"the free pool ({big_cfg.num_pages} pages) still evicted")
             hit = r["cached_tokens"] / max(1, r["prompt_tokens"])
             print(f"  [{wl.name}] {label:7s} {c.name:18s} step {r['step_s']:6.2f}s hit "
-                  f"{hit:.3f} computed {r['computed_tokens']:6d} evictions "
+                  f"{hit:.3f} computed {r['computed_tokens']:6d} restored "
+                  f"{r['restored_tokens']:6d} evictions "
                   f"{r['forced_evictions']:4d} pauses {r['pauses']:3d}+{r['parks']:3d} busy "
                   f"{r['engine_busy']:.2f} exec/ready/wait {r['tasks_executing']:.1f}/"
                   f"{r['tasks_ready']:.1f}/{r['tasks_waiting']:.1f}", file=sys.stderr,
@@ -528,7 +541,7 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
 
         # The pool-sized cap needs the mean context a turn needs: measured on an untimed run
         # with every task in flight (the caps sweep around it).
-        big = big_cfg = None
+        big = big_cfg = host = host_cfg = None
         probe = await once(Contender("vanilla", True, n_tasks), "sizing")
         mean_ctx = probe["prompt_tokens"] / max(1, probe["turns"])
         pool_cap = max(1, round(capacity / mean_ctx))
@@ -543,9 +556,15 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         contenders += [Contender("vanilla", False, cap) for cap in caps
                        if args.noshare_caps == "all" or (args.noshare_caps == "pool" and
                                                          cap == pool_cap)]
+        if args.host_kv_pages:
+            contenders += [dataclasses.replace(c, host=True) for c in contenders]
         if args.only:
             keep = set(args.only.split(","))
             contenders = [c for c in contenders if c.name in keep]
+        if any(c.host for c in contenders):
+            host_cfg = dataclasses.replace(rcfg, host_kv_pages=args.host_kv_pages)
+            host = Engine(policy.graphdef, engine.params, policy.model, host_cfg, seed=123)
+            warm_up(host, host_cfg)
         free_c = Contender("vanilla", True, n_tasks, free=True)
         if args.free_pool_runs:
             big, big_cfg = free_pool(policy, rcfg, wl, probe["context_tokens"])
@@ -583,7 +602,7 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
             print(f"  [{wl.name}] alone   {tid:18s} {best:6.2f}s (chain bound "
                   f"{ref['chains'][tid]:.2f}s)", file=sys.stderr, flush=True)
     shutil.rmtree(state_dir, ignore_errors=True)
-    keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens",
+    keys = ("step_s", "computed_tokens", "recomputed_evicted", "shared_tokens", "restored_tokens",
             "decode_tokens", "decode_tok_s", "forced_evictions", "pauses", "parks", "mean_active",
             "engine_busy", "tasks_executing", "tasks_ready", "tasks_waiting", "decode_steps",
             "prefill_batches", "path_bound_s")
@@ -594,6 +613,9 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
         m["prompt_tokens"] = sum(r["prompt_tokens"] for r in rs)
         m["cached_tokens"] = sum(r["cached_tokens"] for r in rs)
         m["hit_rate"] = m["cached_tokens"] / max(1, m["prompt_tokens"])
+        # Found resident on the device (the host tier's restores left out).
+        m["device_hit_rate"] = (m["cached_tokens"] - sum(r["restored_tokens"] for r in rs)) \
+            / max(1, m["prompt_tokens"])
         med[c] = m
     sigs = {r["signature"] for rs in runs.values() for r in rs}
     return {"workload": wl, "contenders": contenders, "median": med,
@@ -616,9 +638,11 @@ async def bench_workload(wl: Workload, args, policy: Policy) -> dict:
 
 
 ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
+        ("  resident on the device", "device_hit_rate", "{:.3f}"),
         ("prefill tokens computed", "computed_tokens", "{:.0f}"),
         ("  recomputed after eviction", "recomputed_evicted", "{:.0f}"),
         ("  shared from a sibling", "shared_tokens", "{:.0f}"),
+        ("  restored from the host tier", "restored_tokens", "{:.0f}"),
         ("forced evictions", "forced_evictions", "{:.0f}"),
         ("CTB pauses (over budget)", "pauses", "{:.0f}"),
         ("CTB parks (release valve)", "parks", "{:.0f}"),
@@ -632,6 +656,42 @@ ROWS = [("KV hit rate (pooled)", "hit_rate", "{:.3f}"),
         ("generation tokens/s", "decode_tok_s", "{:.1f}"),
         ("step duration s (median)", "step_s", "{:.2f}"),
         ("critical-path bound s", "path_bound_s", "{:.2f}")]
+
+
+def host_report(res: dict, out: dict) -> None:
+    """With the host KV tier (`--host-kv-pages`, sharing on): CTB on it against the best
+    vanilla cap on it (the tier is an engine option, so both get it) and against the best
+    vanilla without it; `out["host"]`."""
+    med, cs = res["median"], res["contenders"]
+    vs_host = [c for c in cs if c.kind == "vanilla" and c.share and c.host]
+    vs_dev = [c for c in cs if c.kind == "vanilla" and c.share and not c.host]
+    for ctb in (c for c in cs if c.kind == "ctb" and c.share and c.host and not c.variant):
+        out["host"] = host_figures(med, ctb, vs_host, vs_dev)
+
+
+def host_figures(med: dict, ctb, vs_host: list, vs_dev: list) -> dict:
+    """`host_report`'s figures for one CTB contender on the tier."""
+    m = med[ctb]
+    o: dict = {"step_s_ctb": round(m["step_s"], 3), "hit_rate_ctb": round(m["hit_rate"], 4),
+               "device_hit_rate_ctb": round(m["device_hit_rate"], 4),
+               "computed_ctb": round(m["computed_tokens"])}
+    for tag, vs in (("vs_vanilla_host", vs_host), ("vs_vanilla", vs_dev)):
+        if not vs:
+            continue
+        b = med[best := min(vs, key=lambda c: med[c]["step_s"])]
+        o[tag] = {"best_vanilla": best.name, "step_s_vanilla": round(b["step_s"], 3),
+                  "step_time_ratio": round(m["step_s"] / b["step_s"], 3),
+                  "hit_rate_vanilla": round(b["hit_rate"], 4),
+                  "hit_rate_ratio": round(m["hit_rate"] / max(b["hit_rate"], 1e-9), 3),
+                  "device_hit_rate_ratio": round(m["device_hit_rate"] /
+                                                 max(b["device_hit_rate"], 1e-9), 3),
+                  "computed_vanilla": round(b["computed_tokens"])}
+        print(f"[host tier] {ctb.name} / {best.name}: step x{o[tag]['step_time_ratio']:.3f} "
+              f"({m['step_s']:.2f}s vs {b['step_s']:.2f}s), hit rate "
+              f"x{o[tag]['hit_rate_ratio']:.2f} (resident on the device "
+              f"x{o[tag]['device_hit_rate_ratio']:.2f}), prefill computed "
+              f"{m['computed_tokens']:.0f} vs {b['computed_tokens']:.0f}")
+    return o
 
 
 def report(res: dict, real: bool = False) -> dict:
@@ -652,9 +712,9 @@ def report(res: dict, real: bool = False) -> dict:
     out: dict = {}
     for share in (True, False):
         tag = "share" if share else "noshare"
-        ctb = next((c for c in cs if c.kind == "ctb" and c.share == share and not c.variant),
-                   None)
-        vs = [c for c in cs if c.kind == "vanilla" and c.share == share]
+        ctb = next((c for c in cs if c.kind == "ctb" and c.share == share and not c.variant
+                    and not c.host), None)
+        vs = [c for c in cs if c.kind == "vanilla" and c.share == share and not c.host]
         if ctb is None or not vs:  # `--only` left no pair to compare
             continue
         best = min(vs, key=lambda c: med[c]["step_s"])
@@ -689,7 +749,8 @@ def report(res: dict, real: bool = False) -> dict:
             # expected to reach it (a reference measured on this engine, not a proof).
             "step_target_below_free_pool": 0.85 * b["step_s"] < res["free_pool_s"],
         }
-        for v in (c for c in cs if c.kind == "ctb" and c.variant and c.share == share):
+        for v in (c for c in cs if c.kind == "ctb" and c.variant and c.share == share
+                  and not c.host):
             mv = med[v]
             out[tag].setdefault("variants", {})[v.variant] = {
                 "hit_rate": round(mv["hit_rate"], 4),
@@ -711,6 +772,7 @@ def report(res: dict, real: bool = False) -> dict:
               f"task chain {o['path_bound_s']:.2f}s, longest task alone "
               f"{o['solo_bound_s']:.2f}s; every context resident, median of "
               f"{len(res['free_pool_runs'])}: {o['free_pool_s']:.2f}s): {step_verdict}")
+    host_report(res, out)
     out["identical_tokens"] = res["identical_tokens"]
     out["pool_cap"] = res["pool_cap"]
     if real:
@@ -762,6 +824,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ctb-variant", action="append", default=[],
                     help="one more CTB contender with these CTBConfig overrides (on top of "
                          "--ctb), e.g. park_below_busy=0; repeatable")
+    ap.add_argument("--host-kv-pages", type=int, default=0,
+                    help="also run every contender on a second engine with a host KV tier of "
+                         "this many pages (rollout.host_kv_pages; names end in +host)")
     ap.add_argument("--latency-scale", type=float, default=1.0,
                     help="multiply every workload's env latency (how the result depends on "
                          "the env-wait / compute ratio: a faster or slower machine)")
@@ -819,6 +884,8 @@ def main(argv: list[str] | None = None) -> dict:
         # The acceptance for a real model: the workload whose tasks end with the longest
         # contexts (the most KV to keep or recompute), hit rate >= 1.5x and step <= 0.85x.
         top = max((k for k in share), key=lambda k: longest[k])
+        if "host" in summary[top]:
+            head["longest_host"] = summary[top]["host"]
         head.update({"model": policy.name, "longest_context_workload": top,
                      "longest_hit_rate_ratio": share[top]["hit_rate_ratio"],
                      "longest_step_time_ratio": share[top]["step_time_ratio"],

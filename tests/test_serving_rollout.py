@@ -18,7 +18,7 @@ from tiderl.envs.templates import template_for
 from tiderl.models.config import ModelConfig
 from tiderl.models.policy import init_policy
 from tiderl.models.tokenizer import ByteTokenizer
-from tiderl.serving.config import RolloutConfig
+from tiderl.serving.config import RolloutConfig, kv_budget_tokens
 from tiderl.serving.ctb import CTBConfig, make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
@@ -65,7 +65,7 @@ async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=No
     ranks = [RolloutRank(i, e) for i, e in enumerate(engines)]
     for r in ranks:
         await r.start()
-    cap = rcfg.num_pages * rcfg.page_size
+    cap = kv_budget_tokens(rcfg)  # as a job budgets a rank: its pool and its host tier
     sched = make_scheduler(scheduler, ctb or CTBConfig(action_reserve=rcfg.max_action_tokens),
                            [cap] * len(ranks), max_context=rcfg.max_context)
     src = TaskSource("default", "train", groups=groups, group_size=group_size)
@@ -229,3 +229,32 @@ async def test_sibling_prefix_sharing_prefills_a_groups_prompt_once():
     ref = full_logprobs(graphdef, params, on[0].tokens)  # and they are the model's (1e-4)
     mask = np.asarray(on[0].loss_mask[1:], bool)
     assert np.max(np.abs(np.asarray(on[0].logprobs[1:])[mask] - ref[mask])) < 1e-4
+
+
+@pytest.mark.parametrize("scheduler", ["vanilla", "ctb"])
+async def test_host_kv_tier_under_memory_pressure_restores_instead_of_recomputing(scheduler):
+    """Two ranks with a tight pool and a host KV tier (`rollout.host_kv_pages`): evicted
+    contexts come back from the host, nothing evicted is computed again, and every task plays
+    exactly the tokens it plays without the tier (sampling keys are (task, position))."""
+    kw = dict(num_pages=12, max_slots=4, decode_buckets=(4,))
+    ctb = CTBConfig(vanilla_concurrency=8, action_reserve=4)
+    plain_cfg, tier_cfg = rollout_cfg(**kw), rollout_cfg(**kw, host_kv_pages=256)
+    graphdef, params, plain = build(2, plain_cfg)
+    plain_trajs, plain_mgr = await play(plain, plain_cfg, scheduler=scheduler, groups=2,
+                                        group_size=4, ctb=ctb)
+    _, _, tier = build(2, tier_cfg)
+    trajs, mgr = await play(tier, tier_cfg, scheduler=scheduler, groups=2, group_size=4,
+                            ctb=ctb)
+    assert len(trajs) == 8 and all(t.ok for t in trajs)
+    assert {t.task_id: t.tokens for t in trajs} == {t.task_id: t.tokens for t in plain_trajs}
+    stats = mgr.stats()
+    assert plain_mgr.stats()["restored_tokens"] == 0
+    assert stats["restored_tokens"] > 0
+    assert sum(r.stats.recomputed_evicted for r in mgr.ranks) == 0
+    assert stats["computed_tokens"] < plain_mgr.stats()["computed_tokens"]
+    for t in trajs:
+        ref = full_logprobs(graphdef, params, t.tokens)
+        mask = np.asarray(t.loss_mask[1:], bool)
+        assert np.max(np.abs(np.asarray(t.logprobs[1:])[mask] - ref[mask])) < 1e-4
+    for e in tier:
+        e.pages.check()

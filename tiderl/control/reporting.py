@@ -128,7 +128,7 @@ class Reporting:
             # on their environment.
             **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
                                   "tasks_waiting", "tasks_paused", "shared_tokens",
-                                  "window_cuts") if k in rs},
+                                  "restored_tokens", "window_cuts") if k in rs},
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],

@@ -37,6 +37,7 @@ from tiderl.runtime.parts import (
     trainer_config_for_mode,
 )
 from tiderl.runtime.taskstream import task_streams
+from tiderl.serving.config import kv_budget_tokens
 from tiderl.serving.ctb import make_scheduler
 from tiderl.serving.engine import Engine
 from tiderl.serving.rank import RolloutRank
@@ -310,12 +311,13 @@ class _Job:
     def scheduler(self) -> Any:
         cfg, rcfg = self.cfg, self.rcfg
         sched_kind = cfg.rollout.scheduler if cfg.controller.mode == "tiderl" else "vanilla"
-        # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory);
+        # Each engine's own pool (rollout.kv_memory_fraction sizes it from free device memory)
+        # and its host KV tier (rollout.host_kv_pages);
         # a rank on another process, or a slot no rank serves yet, is budgeted at the
         # configured rollout.num_pages (a rank that joins later brings its own:
         # RolloutManager.add_rank).
-        capacities = [(r.engine.cfg if r is not None and hasattr(r, "engine") else rcfg)
-                      .num_pages * rcfg.page_size for r in self.slots]
+        capacities = [kv_budget_tokens(r.engine.cfg if r is not None and hasattr(r, "engine")
+                                       else rcfg) for r in self.slots]
         # Prompts count once per rank only where ranks share them.
         ctb_cfg = dataclasses.replace(
             cfg.rollout.ctb,

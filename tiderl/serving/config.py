@@ -42,6 +42,12 @@ class RolloutConfig:
     this share of (allocator limit − bytes in use, the trainer's state included when it shares
     the device), capped at max_slots full contexts; `num_pages` is then a floor. Devices that
     report no memory (the CPU) keep `num_pages`. 0: exactly `num_pages`."""
+    host_kv_pages: int = 0
+    """> 0: a host-memory tier of this many KV pages per rank. An evicted task's pages (a CTB
+    pause, an LRU eviction) are copied there, and its next prefill copies them back instead of
+    computing that context again; the oldest entries make room, a weight sync clears it. Host
+    bytes: host_kv_pages × the device page size (2 × layers × kv heads × page_size × head_dim ×
+    dtype bytes). 0: off (an evicted context is computed again)."""
     max_slots: int = 32
     """Concurrent sequences resident per rank (the decode batch is bucketed up to this)."""
     max_context: int = 1024
@@ -74,6 +80,9 @@ class RolloutConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config key 'rollout.{name}' must be positive, got "
                                   f"{getattr(self, name)}")
+        if self.host_kv_pages < 0:
+            raise ConfigError(f"config key 'rollout.host_kv_pages'={self.host_kv_pages} must be "
+                              ">= 0 (0: no host KV tier); e.g. 4 * rollout.num_pages")
         if self.temperature < 0:
             raise ConfigError("config key 'rollout.temperature' must be >= 0 (0 is greedy)")
         _check_buckets("decode_buckets", self.decode_buckets)
@@ -98,6 +107,14 @@ class RolloutConfig:
     def max_pages_per_slot(self) -> int:
         """Page-table width: pages one max_context-token sequence needs."""
         return -(-self.max_context // self.page_size)
+
+
+def kv_budget_tokens(cfg: RolloutConfig) -> int:
+    """The KV tokens a rank can keep, its scheduler's capacity: the device pool plus the host
+    tier (`host_kv_pages`). With a tier, an evicted context costs a copy rather than a prefill,
+    so CTB budgets tasks against both and the rank keeps the ones inside their turn on the
+    device (the deep real-model step: 48 s against 65 s with the pool alone as budget)."""
+    return (cfg.num_pages + cfg.host_kv_pages) * cfg.page_size
 
 
 def page_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, page_size: int,

@@ -30,7 +30,10 @@ whole life; it holds the context as token ids (token in, token out) and where it
   bucket) with one device→host copy, appends to each handle and reports stop reasons. Stopped
   slots leave the decode batch but keep their KV.
 - `evict(prefix)` frees the task's pages and slot but keeps its tokens (pause = evict);
-  `free(prefix)` ends a task. Both accept a slot number too.
+  `free(prefix)` ends a task. Both accept a slot number too. With `rollout.host_kv_pages` > 0
+  `evict` first copies the task's pages to a host-memory tier (serving/hostkv.py) and its next
+  prefill copies them back instead of computing them (`counters.prompt_tokens_restored`);
+  a prefix a sibling holds resident is still taken from the sibling when it is as long.
 - Prefix sharing: a `PrefillRequest` with `share=[handles of its GRPO siblings]` lets a task
   with no resident KV take the pages of the longest common prefix a sibling holds resident
   (copy-on-write: the first write into a shared page copies it) and compute only the rest;
@@ -85,6 +88,7 @@ from flax import nnx
 from tiderl.models.config import ModelConfig
 from tiderl.models.decoder import DTYPES
 from tiderl.serving.config import RolloutConfig
+from tiderl.serving.hostkv import HostKV, HostKVStore
 from tiderl.serving.imagefeed import make_encoder, make_mm_inputs
 from tiderl.serving.kv import KVPools, init_pools, pool_pages, resolve_decode_attention
 from tiderl.serving.mrope import ImageSpan
@@ -107,6 +111,7 @@ from tiderl.serving.steps import (
     copy_pages_fn,
     make_sampler,
     make_step,
+    page_io_fns,
     pool_sharding_for,
     replicated,
 )
@@ -186,6 +191,10 @@ class Engine(Prefilling):
         self.sharing = SiblingSharing(self)
         """Prefix sharing of GRPO siblings (it keeps recent group prompts' logits)."""
         self._copy_fn = copy_pages_fn(self.pool_sharding)
+        self._read_fn, self._write_fn = page_io_fns(self.pool_sharding)
+        self._placement = placement
+        self.host_kv = HostKVStore(cfg.host_kv_pages) if cfg.host_kv_pages else None
+        """The host KV tier (`rollout.host_kv_pages`), or None."""
         self.counters = EngineCounters()
         self.pages: PageAllocator | None = None
         self.state: DecodeState | None = None
@@ -202,6 +211,8 @@ class Engine(Prefilling):
                            sharding=self.pool_sharding)
         self.state = DecodeState(pools=pools, slots=[None] * c.max_slots)
         self.sharing.forget()
+        if self.host_kv is not None:
+            self.host_kv.clear()
         return self.state
 
     def update_weights(self, params: nnx.State, *, version: int | None = None,
@@ -222,6 +233,8 @@ class Engine(Prefilling):
         self.params = params
         self.version = self.version + 1 if version is None else version
         self.sharing.forget()
+        if self.host_kv is not None:
+            self.host_kv.clear()  # KV of the older weights is never restored
         if flush:
             self.flush()
 
@@ -333,9 +346,16 @@ class Engine(Prefilling):
             filtered=self.filtered)
         return st, res
 
-    def evict(self, prefix: Prefix | int) -> Prefix:
-        """Frees the task's pages and slot; its tokens stay (a later prefill recomputes them)."""
+    def evict(self, prefix: Prefix | int, *, offload: bool = True) -> Prefix:
+        """Frees the task's pages and slot; its tokens stay (a later prefill recomputes them,
+        or, with the host KV tier and `offload`, copies them back). `offload=False`: the task
+        leaves this engine (a migration), so the tier keeps nothing of it."""
         h = self._resolve(prefix)
+        if self.host_kv is not None:
+            if offload and h.slot is not None:
+                self._offload(h)
+            elif not offload:
+                self.host_kv.drop(h)
         if h.slot is not None:
             self._drop_kv(h, "evicted")
             self._close(h)
@@ -346,6 +366,8 @@ class Engine(Prefilling):
         h = self._resolve(prefix)
         if h.slot is not None:
             self._close(h)
+        if self.host_kv is not None:
+            self.host_kv.drop(h)
         h.kv_length, h.decoding = 0, False
 
     def fork(self, prefix: Prefix | int, n: int, task_ids: list[int]) -> list[Prefix]:
@@ -367,9 +389,12 @@ class Engine(Prefilling):
         return out if self._encode_fn is None else out + self._encode_fn.trace_counts
 
     def stats(self) -> dict[str, float]:
-        """Counters plus gauges (pages in use / shared, KV hit rate)."""
+        """Counters plus gauges (pages in use / shared, KV hit rate with and without the host
+        tier's restores, host tier pages in use)."""
         out = dataclasses.asdict(self.counters)
         out.update(kv_hit_rate=self.counters.kv_hit_rate,
+                   kv_device_hit_rate=self.counters.kv_device_hit_rate,
+                   host_kv_pages_used=self.host_kv.pages_used if self.host_kv else 0,
                    pages_in_use=self.pages.pages_in_use if self.pages else 0,
                    pages_shared=self.pages.pages_shared if self.pages else 0,
                    version=self.version)
@@ -438,6 +463,38 @@ class Engine(Prefilling):
         src[: len(copies)], dst[: len(copies)] = zip(*copies, strict=True)
         st.pools = self._copy_fn(st.pools, src, dst)
         self.counters.page_copies += len(copies)
+
+    def _page_bucket(self, n_pages: int) -> int:
+        """Pages one host-tier copy moves: `n_pages` rounded up to a power of two (one trace
+        per bucket), at most a full context's."""
+        return min(1 << (max(1, n_pages) - 1).bit_length(), self.cfg.max_pages_per_slot)
+
+    def _offload(self, h: Prefix) -> None:
+        """Copies `h`'s resident KV of the current weights to the host tier (before it is
+        evicted)."""
+        if not h.kv_length or h.kv_version != self.version:
+            self.host_kv.drop(h)
+            return
+        n_pages = -(-h.kv_length // self.cfg.page_size)
+        idx = np.full(self._page_bucket(n_pages), self.pages.trash, np.int32)
+        idx[:n_pages] = self.pages.tables[h.slot][:n_pages]
+        kv = np.asarray(self._read_fn(self._state().pools, idx))
+        entry = HostKV(tuple(h.tokens[: h.kv_length]), self.version,
+                       np.ascontiguousarray(kv[:, :, :, :n_pages]))
+        if self.host_kv.put(h, entry):
+            self.counters.host_offloads += 1
+
+    def restore_kv(self, h: Prefix, entry: HostKV) -> None:
+        """Writes a host-tier entry into the first pages of `h`'s (just reserved) table."""
+        st = self._state()
+        b = self._page_bucket(entry.n_pages)
+        idx = np.full(b, self.pages.trash, np.int32)
+        idx[: entry.n_pages] = self.pages.tables[h.slot][: entry.n_pages]
+        kv = entry.kv
+        if b > entry.n_pages:
+            kv = np.concatenate([kv, np.zeros(kv.shape[:3] + (b - entry.n_pages,) + kv.shape[4:],
+                                              kv.dtype)], axis=3)
+        st.pools = self._write_fn(st.pools, jax.device_put(kv, self._placement), idx)
 
     def _drop_kv(self, h: Prefix, reason: str) -> None:
         self.pages.release_pages(h.slot)

@@ -66,6 +66,21 @@ def copy_pages(pools: KVPools, src_c: Int[Array, " C"], dst_c: Int[Array, " C"])
                    v=tuple(p.at[:, dst_c].set(p[:, src_c]) for p in pools.v))
 
 
+def read_pages(pools: KVPools, idx_n: Int[Array, " N"]) -> Array:
+    """Pages `idx_n` of every layer as one `[n_layers, 2 (K, V), K, N, S, Dh]` array (the
+    host KV tier's offload; pad `idx_n` with trash)."""
+    return jnp.stack([jnp.stack([k[:, idx_n], v[:, idx_n]]) for k, v in zip(pools.k, pools.v)])
+
+
+def write_pages(pools: KVPools, kv: Array, idx_n: Int[Array, " N"]) -> KVPools:
+    """Pages `idx_n` of every layer ← `kv` as `read_pages` returns it (the host KV tier's
+    restore; padded entries of `idx_n` point at trash)."""
+    return KVPools(k=tuple(p.at[:, idx_n].set(kv[i, 0].astype(p.dtype))
+                           for i, p in enumerate(pools.k)),
+                   v=tuple(p.at[:, idx_n].set(kv[i, 1].astype(p.dtype))
+                           for i, p in enumerate(pools.v)))
+
+
 def gather_pages(pool_kpsd: Array, page_table_bp: Int[Array, "B Pm"]) -> Float[Array, "B L K Dh"]:
     """A batch's pages as contiguous `[B, Pm*S, K, Dh]` keys or values (L = Pm*S)."""
     return _gather_kbld(pool_kpsd, page_table_bp).transpose(1, 2, 0, 3)

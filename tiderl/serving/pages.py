@@ -333,10 +333,23 @@ class EngineCounters:
     """Prefills that computed nothing: the first token was sampled from a sibling's logits."""
     images_encoded: int = 0
     """Images the vision tower encoded (a vision-language policy; again after an eviction)."""
+    prompt_tokens_restored: int = 0
+    """Of `prompt_tokens_served`, tokens copied back from the host KV tier (not resident on
+    the device when queried; `rollout.host_kv_pages`)."""
+    host_offloads: int = 0
+    """Evictions whose KV the host tier kept."""
+    host_restores: int = 0
+    """Prefills that copied a task's KV back from the host tier."""
 
     @property
     def kv_hit_rate(self) -> float:
         return self.prompt_tokens_served / max(1, self.prompt_tokens_queried)
+
+    @property
+    def kv_device_hit_rate(self) -> float:
+        """Prompt tokens found resident on the device (the host tier's restores left out)."""
+        return ((self.prompt_tokens_served - self.prompt_tokens_restored)
+                / max(1, self.prompt_tokens_queried))
 
     def count_prefill(self, h: Any, start: int, end: int) -> None:
         """A prefill of `h`'s context `[start, end)` on top of `start` resident tokens: the

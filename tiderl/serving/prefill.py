@@ -8,7 +8,7 @@ the vision tower over the images those calls compute, and commits each handle on
 device work succeeded. A mixin so `engine.py` stays about the engine's contract and state; it
 reads the engine's state (`cfg`, `pages`, `version`, `sharing`, `counters`, `vision`, ...) and
 calls its methods (`_check_params`, `_state`, `_run`, `_apply_copies`, `_close`, `_drop_kv`,
-`ensure_slot`, `commit_prefill`).
+`ensure_slot`, `restore_kv`, `commit_prefill`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Prefilling:
     version: int
     params: Any
     sharing: Any
+    host_kv: Any
     counters: Any
     vision: Any
     keep_logits: bool
@@ -70,7 +71,8 @@ class Prefilling:
                  for r, h in zip(requests, handles, strict=True)]
         caps = [h.max_action_tokens if r.max_action_tokens is None else r.max_action_tokens
                 for r, h in zip(requests, handles, strict=True)]
-        rows, follow, attached, prompts = self._plan_rows(requests, handles, news, temps, caps)
+        rows, follow, attached, prompts, restores = self._plan_rows(requests, handles, news,
+                                                                    temps, caps)
         try:
             self._check_capacity(rows, extra_slots=len(follow))
         except PoolExhaustedError:
@@ -85,10 +87,16 @@ class Prefilling:
             self.ensure_slot(h)
             copies += self.pages.reserve(h.slot, start, end)
         self._apply_copies(copies)
+        for h, entry in restores.values():
+            self.restore_kv(h, entry)
         results = self._compute_rows(rows)
         for h, new, start, end, temp, cap in rows:
             packed_2, logits_bv, i, host_v = results[id(h)]
             self.counters.prompt_tokens_shared += start if h in attached else 0
+            if id(h) in restores:
+                self.host_kv.drop(h)
+                self.counters.prompt_tokens_restored += start
+                self.counters.host_restores += 1
             if id(h) in prompts:
                 self.sharing.remember_logits(prompts[id(h)], logits_bv[i])
             self.commit_prefill(h, new, start, end, temp, cap, packed_2, host_v)
@@ -134,13 +142,16 @@ class Prefilling:
         """Which handles compute (`rows`: handle, new tokens, start, end, temperature, action
         cap) and which sample from a sibling's logits (`follow`: handle, new, end,
         temperature, cap, source handle, kept logits or None); the handles that took a
-        sibling's pages (`attached`, undone on no room) and the first prefills whose logits
-        are kept for later siblings (`prompts`: id(handle) -> context)."""
+        sibling's pages (`attached`, undone on no room), the first prefills whose logits
+        are kept for later siblings (`prompts`: id(handle) -> context) and the handles whose
+        KV the host tier restores (`restores`: id(handle) -> (handle, entry); a sibling's
+        resident prefix is preferred when it is as long)."""
         rows: list[tuple] = []
         follow: list[tuple] = []
         attached: list[Prefix] = []
         leaders: dict[tuple[int, ...], Prefix] = {}  # context -> the row computing it
         prompts: dict[int, tuple[int, ...]] = {}
+        restores: dict[int, tuple] = {}
         ps = self.cfg.page_size
         for r, h, new, temp, cap in zip(requests, handles, news, temps, caps, strict=True):
             end = len(h.tokens) + len(new)
@@ -151,6 +162,9 @@ class Prefilling:
                 self._drop_kv(h, "version")  # stale KV is never attended
             # Nothing missing (a forked sibling): recompute the last token to get its logits.
             start = min(h.kv_length, end - 1)
+            entry = None
+            if self.host_kv is not None and h.slot is None:
+                entry = self.host_kv.lookup(h, self.version, h.tokens + new)
             if r.share is not None and not h.kv_length:
                 toks, spans = tuple(h.tokens) + tuple(new), self._spans(h)
                 ctx = context_key(toks, spans) if spans else toks
@@ -164,15 +178,19 @@ class Prefilling:
                 if logits is not None:  # all resident at a sibling, logits kept: no compute
                     follow.append((h, new, end, temp, cap, src, logits))
                     continue
-                if src is not None and n >= ps:
+                if src is not None and n >= ps and (entry is None or n >= entry.n_tokens):
                     self.sharing.attach(h, src, n)
                     attached.append(h)
                     start = min(n, end - 1)
+                    entry = None
                 leaders[ctx] = h
                 if not h.tokens:
                     prompts[id(h)] = ctx
+            if entry is not None:
+                restores[id(h)] = (h, entry)
+                start = min(entry.n_tokens, end - 1)
             rows.append((h, new, start, end, temp, cap))
-        return rows, follow, attached, prompts
+        return rows, follow, attached, prompts, restores
 
     def _compute_rows(self, rows: list[tuple]) -> dict[int, tuple]:
         """The device calls of a prefill: long inputs advance one chunk per call, so rows

@@ -94,6 +94,8 @@ class RankStats:
     """Seconds the engine worked (its executor calls, on the event loop's clock)."""
     shared_tokens: int = 0
     """Prompt tokens taken from a sibling's KV pages (prefix sharing) instead of computed."""
+    restored_tokens: int = 0
+    """Prompt tokens copied back from the engine's host KV tier instead of computed."""
     deferred_shares: int = 0
     """Prefills held back one loop iteration so a sibling computes their common prefix first."""
 
@@ -123,7 +125,7 @@ class EngineWorker:
         if p is None:
             return Handoff(None, t.pending, t.result, t.pending_images)
         if evict and p.slot is not None:
-            self.engine.evict(p)
+            self.engine.evict(p, offload=False)  # it leaves this rank: keep nothing of it
         # Host data only: its images' patches go with it (the new rank encodes them again).
         copy = dataclasses.replace(p, tokens=list(p.tokens), logprobs=list(p.logprobs),
                                    versions=list(p.versions), images=list(p.images),
@@ -205,6 +207,8 @@ class EngineWorker:
             self.stats.prefill_batches += 1
             self.stats.shared_tokens += getattr(c1, "prompt_tokens_shared", 0) - getattr(
                 c0, "prompt_tokens_shared", 0)
+            self.stats.restored_tokens += getattr(c1, "prompt_tokens_restored", 0) - getattr(
+                c0, "prompt_tokens_restored", 0)
             self.stats.recomputed_evicted += c1.recomputed_evicted - c0.recomputed_evicted
             self.stats.recomputed_version += c1.recomputed_version - c0.recomputed_version
             finished = []

@@ -52,6 +52,7 @@ from typing import Any
 from tiderl.envs.images import placeholders
 from tiderl.envs.protocol import EndReason
 from tiderl.envs.templates import Transcript, TurnTemplate
+from tiderl.serving.config import kv_budget_tokens
 from tiderl.serving.ctb import Admit, CTBScheduler, Pause, Resume, Task, VanillaScheduler
 from tiderl.serving.pages import Prefix, StopReason
 from tiderl.serving.rank import Handoff, RankFailedError, RankStats, RolloutRank, TurnResult
@@ -212,7 +213,7 @@ class RolloutManager(Measuring):
         # Its engine's own pool (rollout.kv_memory_fraction sizes it); engines without a
         # config (the simulator's) keep the slot's capacity.
         ecfg = getattr(getattr(rank, "engine", None), "cfg", None)
-        self.sched.add_rank(i, ecfg.num_pages * ecfg.page_size if ecfg is not None else None)
+        self.sched.add_rank(i, kv_budget_tokens(ecfg) if ecfg is not None else None)
         self.kick()
 
     # -- episodes -------------------------------------------------------------------------------

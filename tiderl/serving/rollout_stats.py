@@ -112,6 +112,7 @@ class Measuring:
             **self._window_stats(),
             "tasks_paused": self.sched.n_paused(),
             "shared_tokens": sum(s.shared_tokens for s in every),
+            "restored_tokens": sum(s.restored_tokens for s in every),
             "kv_hit_rate": cached / max(1, prompt),
             "prompt_tokens": prompt,
             "cached_tokens": cached,

@@ -3,7 +3,8 @@
 - `make_step`: the jitted forward-and-sample over the paged KV pools (prefill and decode), pools
   donated; cached on its static arguments, so engines of one model in a process share code.
 - `make_sampler`: jitted sampling from given logits rows (a GRPO sibling's first token).
-- `copy_pages_fn`: the jitted copy-on-write page copy, pools donated.
+- `copy_pages_fn`: the jitted copy-on-write page copy, pools donated; `page_io_fns`: the host
+  KV tier's page reads and writes.
 - `cell_of`, `pool_sharding_for`: an engine's placement (one device, or a tensor-parallel cell
   with its KV pools sharded on kv heads).
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tiderl.serving.kv import PagedKV, copy_pages
+from tiderl.serving.kv import PagedKV, copy_pages, read_pages, write_pages
 from tiderl.serving.sampling import sample, token_keys
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,14 @@ def replicated(sharding: NamedSharding) -> NamedSharding:
 def copy_pages_fn(pool_sharding: Any = None):
     """`kv.copy_pages` jitted, pools donated (and kept at `pool_sharding` on a cell)."""
     return jax.jit(copy_pages, donate_argnums=(0,), out_shardings=pool_sharding)
+
+
+@functools.lru_cache(maxsize=32)
+def page_io_fns(pool_sharding: Any = None):
+    """The host KV tier's jitted page reads (`kv.read_pages`) and writes (`kv.write_pages`,
+    pools donated, kept at `pool_sharding` on a cell)."""
+    return (jax.jit(read_pages),
+            jax.jit(write_pages, donate_argnums=(0,), out_shardings=pool_sharding))
 
 
 def cell_of(params: Any) -> tuple[Any, Any]:

@@ -442,7 +442,8 @@ class SimEngine:
                            np.array(lengths, np.int32), np.array(reasons, np.int32))
         return state, res
 
-    def evict(self, prefix: Prefix | int) -> Prefix:
+    def evict(self, prefix: Prefix | int, *, offload: bool = True) -> Prefix:
+        """The real engine's `evict`; there is no host KV tier here (`offload` is ignored)."""
         p = prefix if isinstance(prefix, Prefix) else self.slots[prefix]
         if p.slot is not None:
             self._drop_kv(p, "evicted")
