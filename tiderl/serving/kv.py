@@ -69,7 +69,8 @@ def copy_pages(pools: KVPools, src_c: Int[Array, " C"], dst_c: Int[Array, " C"])
 def read_pages(pools: KVPools, idx_n: Int[Array, " N"]) -> Array:
     """Pages `idx_n` of every layer as one `[n_layers, 2 (K, V), K, N, S, Dh]` array (the
     host KV tier's offload; pad `idx_n` with trash)."""
-    return jnp.stack([jnp.stack([k[:, idx_n], v[:, idx_n]]) for k, v in zip(pools.k, pools.v)])
+    return jnp.stack([jnp.stack([k[:, idx_n], v[:, idx_n]])
+                      for k, v in zip(pools.k, pools.v, strict=True)])
 
 
 def write_pages(pools: KVPools, kv: Array, idx_n: Int[Array, " N"]) -> KVPools:
