@@ -152,3 +152,16 @@ def test_store_alone_and_config():
     assert s.pages_used == 0 and len(s) == 0
     with pytest.raises(ConfigError, match="rollout.host_kv_pages"):
         RolloutConfig(host_kv_pages=-1)
+
+
+def test_prime_engine_compiles_the_tiers_page_copies(model):
+    from tiderl.serving.warmup import prime_host_tier
+
+    eng, _ = _engine(model, host_kv_pages=64)
+    cfg = eng.cfg
+    n = prime_host_tier(eng, cfg, iter(range(1 << 30, 1 << 31)))
+    # Buckets 1, 2, 4, 8, 16 and the full context's 24 pages; nothing left behind.
+    assert n == 6 and eng.counters.host_restores == 6
+    assert eng.pages.pages_in_use == 0 and len(eng.host_kv) == 0
+    plain, _ = _engine(model)
+    assert prime_host_tier(plain, plain.cfg, iter(range(10))) == 0

@@ -1,4 +1,5 @@
-"""Compiling an engine's kernels before timed work (`prime_engine`). No JAX.
+"""Compiling an engine's kernels before timed work (`prime_engine`), the host KV tier's page
+copies included. No JAX.
 
 The engine traces its prefill kernel per (rows bucket, length bucket, page-table width) and its
 decode kernel per (rows bucket, width) (`tiderl.serving.engine`); a shape first met inside a
@@ -40,7 +41,29 @@ def prime_engine(eng: Any, rcfg: Any, ids: Iterator[int] | None = None) -> int:
             for h in hs:
                 eng.free(h)
             n += 2
-    return n + prime_widths(eng, rcfg, ids)
+    return n + prime_widths(eng, rcfg, ids) + prime_host_tier(eng, rcfg, ids)
+
+
+def prime_host_tier(eng: Any, rcfg: Any, ids: Iterator[int]) -> int:
+    """With a host KV tier (`rollout.host_kv_pages`): compiles its page copies, one per page
+    bucket (powers of two up to a full context's pages), by evicting a context of that many
+    pages and prefilling it again. Returns the buckets primed."""
+    if getattr(eng, "host_kv", None) is None:
+        return 0
+    ps, top = rcfg.page_size, rcfg.max_pages_per_slot
+    widths = sorted({min(1 << k, top) for k in range(top.bit_length() + 1)})
+    done = 0
+    for w in widths:
+        tokens = min(w * ps, rcfg.max_context - 3)  # room for the next token and its sample
+        if -(-tokens // ps) + 1 > min(rcfg.num_pages, rcfg.host_kv_pages):
+            break
+        (h,) = eng.prefill_many(None, [PrefillRequest(None, [5] * tokens, tokens,
+                                                      task_id=next(ids), max_action_tokens=1)])
+        eng.evict(h)  # the copy out, at this bucket
+        eng.prefill_many(None, [PrefillRequest(h, [5], 1)])  # and back
+        eng.free(h)
+        done += 1
+    return done
 
 
 def prime_widths(eng: Any, rcfg: Any, ids: Iterator[int]) -> int:
