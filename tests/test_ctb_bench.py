@@ -44,7 +44,7 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     _tiny_llama(ckpt)
     head = ctb.main(["--model", str(ckpt), "--workloads", "default", "--quick", "--repeats", "1",
                      "--solo-tasks", "0", "--latency-scale", "0.05", "--noshare-caps", "pool",
-                     "--ctb-variant", "park_below_busy=0"])
+                     "--ctb-variant", "park_below_busy=0", "--host-kv-pages", "256"])
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == head  # the last stdout line is the JSON object
     assert head["model"] == "ckpt" and head["longest_context_workload"] == "default"
@@ -73,6 +73,14 @@ def test_ctb_bench_serves_a_checkpoint_end_to_end(tmp_path, capsys):
     assert w["share"]["free_pool_s"] > 0
     assert head["longest_step_target_below_free_pool"] == (
         w["share"]["step_target_s"] < w["share"]["free_pool_s"])
+    # With the host KV tier every contender ran again on a second engine (same tokens: the
+    # check above covers them); CTB on it is compared with the best cap on it and without it.
+    h = w["host"]
+    assert head["longest_host"] == h
+    assert h["vs_vanilla_host"]["best_vanilla"].endswith("+share+host")
+    assert not h["vs_vanilla"]["best_vanilla"].endswith("+host")
+    assert 0.0 <= h["device_hit_rate_ctb"] <= h["hit_rate_ctb"] <= w["hit_rate_no_recompute"] + 1e-9
+    assert any("ctb+share+host" in line for line in out)
 
 
 def test_ctb_bench_model_prompts_use_the_checkpoint_chat_template(tmp_path):
