@@ -465,9 +465,9 @@ class Engine(Prefilling):
         self.counters.page_copies += len(copies)
 
     def _page_bucket(self, n_pages: int) -> int:
-        """Pages one host-tier copy moves: `n_pages` rounded up to a power of two (one trace
-        per bucket), at most a full context's."""
-        return min(1 << (max(1, n_pages) - 1).bit_length(), self.cfg.max_pages_per_slot)
+        """Pages one host-tier copy moves: `n_pages` rounded up as a page table's width is
+        (a power of two, at most a full context's; one trace per bucket)."""
+        return self._table_width(n_pages * self.cfg.page_size)
 
     def _offload(self, h: Prefix) -> None:
         """Copies `h`'s resident KV of the current weights to the host tier (before it is
