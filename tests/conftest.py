@@ -59,10 +59,13 @@ def pytest_sessionfinish(session, exitstatus):
 # workers take whole files (`--dist loadfile`) in collection order, so starting with the long
 # ones keeps one worker from running a long file alone at the end.
 _LONG_FILES = {
-    "test_train_memory.py": 330, "test_multihost.py": 280, "test_byo_tasks.py": 150,
-    "test_train_your_model.py": 140, "test_gpu_path.py": 130, "test_elastic.py": 100,
-    "test_control_e2e.py": 90, "test_agents_run.py": 60, "test_train_checkpoint.py": 50,
-    "test_serving_faults.py": 50, "test_job.py": 45, "test_launch.py": 40,
+    "test_real_model_run.py": 600, "test_train_memory.py": 180, "test_ctb_bench.py": 155,
+    "test_multihost.py": 145, "test_train_lora.py": 140, "test_train_your_model.py": 105,
+    "test_launch_models.py": 80, "test_gpu_path.py": 80, "test_byo_tasks.py": 75,
+    "test_serving_faults.py": 75, "test_models_gguf.py": 70, "test_models_vlm.py": 60,
+    "test_serving_engine.py": 60, "test_serving_vlm.py": 60, "test_models_hf.py": 55,
+    "test_serving_hostkv.py": 45, "test_serving_tp.py": 40, "test_train_grpo.py": 40,
+    "test_train_vlm.py": 40, "test_agents_run.py": 40,
 }
 
 

@@ -154,10 +154,14 @@ def _readme_real_model_commands() -> list[str]:
             if line.startswith("python ")]
 
 
-# Fewer steps: one update, one seed, a small held-out set. Everything else is the README's.
+# Fewer steps: one update of two groups, one seed, a held-out set of two groups; learn_real
+# plays TextWorld only (its guess runs are the launch line's preset, run just before it).
+# Everything else is the README's.
+_SMALLER = ["env.eval_groups=2", "controller.groups_per_step=2", "trainer.zero_var_groups=keep"]
 _FEWER = {"tiderl.launch": ["controller.steps=1", "controller.eval_every=1",
-                            "env.eval_groups=4", "controller.time_limit_s=0"],
-          "learn_real.py": ["--seeds", "0", "--updates", "1", "--set", "env.eval_groups=4"]}
+                            "controller.time_limit_s=0", *_SMALLER],
+          "learn_real.py": ["--tasks", "textworld", "--seeds", "0", "--updates", "1",
+                            "--set", *_SMALLER]}
 
 
 @pytest.mark.slow  # two real-model processes (SmolLM2-135M): ~2-3 min each on a 2-core CPU
@@ -194,5 +198,6 @@ def test_the_readme_real_model_commands_run_with_fewer_steps(tmp_path):
             assert [r["step"] for r in records if r.get("kind") == "eval"] == [0, 1]
         else:
             result = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert set(result["tasks"]) == {"textworld"}, result
             for task in result["tasks"].values():
                 assert task["updates"] == [1] * len(task["seeds"])
