@@ -42,6 +42,11 @@ def test_evicted_context_is_restored_not_recomputed(model):
     turns = [rng.integers(0, MODEL.vocab_size, n) for n in (13, 5, 22, 3)]  # 22: chunked
     eng, state = _engine(model, temperature=1.0, host_kv_pages=64)
     h, state = _play(eng, state, turns, evict_between=True)
+    # The last eviction's copy: in pinned host memory, its pages rounded up to a power of two.
+    entry = eng.host_kv.lookup(h, eng.version, h.tokens)
+    assert entry.kv.sharding.memory_kind == "pinned_host"
+    assert entry.n_pages == -(-entry.n_tokens // eng.cfg.page_size)
+    assert entry.n_pages <= entry.held_pages < 2 * entry.n_pages
     _check_against_full(eng, graphdef, params, h)
     c = eng.counters
     # Every resume copied the whole evicted context back: only first-time tokens computed.
@@ -62,19 +67,21 @@ def test_evicted_context_is_restored_not_recomputed(model):
 
 def test_capacity_versions_and_migration(model):
     graphdef, params = model
-    # 3 host pages of 4 tokens: a 10-token context fits, two do not, a 14-token one never.
-    eng, state = _engine(model, temperature=0.0, host_kv_pages=3, max_action_tokens=2)
+    # 4 host pages of 4 tokens; an entry holds its pages rounded up to a power of two: a
+    # 9-token context (3 pages, held as 4) fits, a second one does not, a 17-token one never.
+    eng, state = _engine(model, temperature=0.0, host_kv_pages=4, max_action_tokens=2)
     a = eng.prefill(None, None, np.arange(9), 9, task_id=1)  # 9 resident: 3 pages
     b = eng.prefill(None, None, np.arange(8) + 1, 8, task_id=2)
     eng.evict(a)
-    assert eng.host_kv.pages_used == 3
+    assert eng.host_kv.pages_used == 4
     eng.evict(b)  # the older entry (a) makes room
+    assert eng.host_kv.pages_used == 2
     assert len(eng.host_kv) == 1 and eng.host_kv.dropped == 1
     eng.prefill(None, a, [5], 1)  # a: computed again
     assert eng.counters.recomputed_evicted == 9 and eng.counters.host_restores == 0
     eng.prefill(None, b, [6], 1)  # b: restored
     assert eng.counters.host_restores == 1 and eng.counters.prompt_tokens_restored == 8
-    big = eng.prefill(None, None, np.arange(14), 14, task_id=4)
+    big = eng.prefill(None, None, np.arange(17), 17, task_id=4)  # 5 pages, held as 8
     eng.evict(big)  # larger than the whole tier: not kept
     assert eng.counters.host_offloads == 2 and len(eng.host_kv) == 0
     # A weight sync clears the tier: KV of older weights is never restored.
@@ -139,13 +146,13 @@ def test_store_alone_and_config():
     kv = lambda n: np.zeros((2, 2, 1, n, 4, 8), np.float32)  # noqa: E731
     s = HostKVStore(4)
     h1, h2, h3 = object(), object(), object()
-    assert s.put(h1, HostKV((1, 2, 3), 0, kv(1))) and s.put(h2, HostKV((4,), 0, kv(2)))
+    assert s.put(h1, HostKV((1, 2, 3), 0, kv(1), 1)) and s.put(h2, HostKV((4,), 0, kv(2), 1))
     assert s.lookup(h1, 0, [1, 2, 3, 9]) is not None
     assert s.lookup(h1, 1, [1, 2, 3]) is None  # another weight version
     assert s.lookup(h1, 0, [1, 2]) is None and s.lookup(h1, 0, [1, 5, 3]) is None
-    assert s.put(h3, HostKV((5,), 0, kv(2)))  # h1 (oldest) makes room
+    assert s.put(h3, HostKV((5,), 0, kv(2), 1))  # h1 (oldest) makes room
     assert s.lookup(h1, 0, [1, 2, 3]) is None and s.pages_used == 4 and s.dropped == 1
-    assert not s.put(h1, HostKV((1,), 0, kv(5)))  # larger than the store
+    assert not s.put(h1, HostKV((1,), 0, kv(5), 3))  # holds more than the store
     s.drop(h2)
     assert s.pages_used == 2 and len(s) == 1
     s.clear()

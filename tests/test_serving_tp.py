@@ -5,6 +5,8 @@ samples the same tokens with the same logprobs as on one device.
 Tolerance (fp32): logprobs 1e-5; tokens equal.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -23,7 +25,8 @@ ROLLOUT = RolloutConfig(page_size=4, num_pages=96, max_slots=4, max_context=96,
 
 
 def _play(eng: Engine, prompts: list[list[int]], observations: list[list[int]]):
-    """Three tasks, two turns each (the second appends an observation to resident KV)."""
+    """Three tasks, two turns each (the second appends an observation to resident KV; with a
+    host KV tier, to KV evicted after the first turn and copied back)."""
     state = eng.init_decode_state()
     hs = [eng.prefill(None, None, np.asarray(p), len(p), task_id=10 + i)
           for i, p in enumerate(prompts)]
@@ -32,6 +35,9 @@ def _play(eng: Engine, prompts: list[list[int]], observations: list[list[int]]):
     while any(h.decoding for h in hs):
         state, _ = eng.generate(None, state)
     turn1 = [(list(h.action_tokens), list(h.logprobs)) for h in hs]
+    if eng.host_kv is not None:
+        for h in hs:
+            eng.evict(h)
     for h, obs in zip(hs, observations, strict=True):
         eng.prefill(None, h, np.asarray(obs), len(obs))
         state = eng.insert(h, state)
@@ -71,6 +77,21 @@ def test_two_device_rank_samples_what_one_device_samples():
     assert all(len(t) for t, _ in b2)
     # Kernels compiled once per bucket on the cell, as on one device.
     assert max(tp.trace_counts.values()) == 1
+
+    # A host KV tier on the cell: the evicted pages go to pinned host memory laid out as the
+    # pools (kv heads split over the cell) and come back; the same tokens and logprobs.
+    tier = Engine(graphdef, sharded, MODEL, dataclasses.replace(ROLLOUT, host_kv_pages=64),
+                  seed=1)
+    c1, c2, hs = _play(tier, prompts, obs)
+    for (ta, la), (tc, lc) in zip(a1 + a2, c1 + c2, strict=True):
+        assert ta == tc
+        np.testing.assert_allclose(lc, la, atol=1e-5, rtol=0)
+    assert tier.counters.host_restores == 3 and tier.counters.recomputed_evicted == 0
+    tier.evict(hs[0])
+    kv = tier.host_kv.lookup(hs[0], tier.version, hs[0].tokens).kv
+    assert kv.sharding.memory_kind == "pinned_host"
+    assert {s.device for s in kv.addressable_shards} == set(cell.devices.flat)
+    assert kv.addressable_shards[0].data.shape[2] == MODEL.n_kv_heads // 2
 
     # A weight sync keeps the cell's layout; another layout is refused (it would recompile).
     tp.update_weights(jax.device_put(params, state_shardings(jax.eval_shape(lambda: params),

@@ -44,11 +44,12 @@ class RolloutConfig:
     report no memory (the CPU) keep `num_pages`. 0: exactly `num_pages`."""
     host_kv_pages: int = 0
     """> 0: a host-memory tier of this many KV pages per rank. An evicted task's pages (a CTB
-    pause, an LRU eviction) are copied there, and its next prefill copies them back instead of
-    computing that context again; the oldest entries make room, a weight sync clears it. CTB
-    then budgets the pool and the tier together (`kv_budget_tokens`). Host bytes: host_kv_pages
-    × the device page size (2 × layers × kv heads × page_size × head_dim × dtype bytes). 0: off
-    (an evicted context is computed again)."""
+    pause, an LRU eviction) are copied there (pinned host memory, copied in power-of-two page
+    counts: an entry holds its pages rounded up so), and its next prefill copies them back
+    instead of computing that context again; the oldest entries make room, a weight sync
+    clears it. CTB then budgets the pool and the tier together (`kv_budget_tokens`). Host
+    bytes: host_kv_pages × the device page size (2 × layers × kv heads × page_size × head_dim
+    × dtype bytes). 0: off (an evicted context is computed again)."""
     max_slots: int = 32
     """Concurrent sequences resident per rank (the decode batch is bucketed up to this)."""
     max_context: int = 1024

@@ -114,6 +114,7 @@ from tiderl.serving.steps import (
     page_io_fns,
     pool_sharding_for,
     replicated,
+    tier_shardings,
 )
 
 log = logging.getLogger(__name__)
@@ -191,8 +192,8 @@ class Engine(Prefilling):
         self.sharing = SiblingSharing(self)
         """Prefix sharing of GRPO siblings (it keeps recent group prompts' logits)."""
         self._copy_fn = copy_pages_fn(self.pool_sharding)
-        self._read_fn, self._write_fn = page_io_fns(self.pool_sharding)
-        self._placement = placement
+        self._tier_device, self._tier_host = tier_shardings(self.device, self.pool_sharding)
+        self._read_fn, self._write_fn = page_io_fns(self.pool_sharding, self._tier_host)
         self.host_kv = HostKVStore(cfg.host_kv_pages) if cfg.host_kv_pages else None
         """The host KV tier (`rollout.host_kv_pages`), or None."""
         self.counters = EngineCounters()
@@ -478,23 +479,21 @@ class Engine(Prefilling):
         n_pages = -(-h.kv_length // self.cfg.page_size)
         idx = np.full(self._page_bucket(n_pages), self.pages.trash, np.int32)
         idx[:n_pages] = self.pages.tables[h.slot][:n_pages]
-        kv = np.asarray(self._read_fn(self._state().pools, idx))
-        entry = HostKV(tuple(h.tokens[: h.kv_length]), self.version,
-                       np.ascontiguousarray(kv[:, :, :, :n_pages]))
+        # Queued, not waited for: the pages go to pinned host memory in the bucket's shape
+        # (its padding is trash pages' KV, written back to trash on restore).
+        kv = self._read_fn(self._state().pools, idx)
+        if self._tier_host is None:
+            kv = np.asarray(kv)
+        entry = HostKV(tuple(h.tokens[: h.kv_length]), self.version, kv, n_pages)
         if self.host_kv.put(h, entry):
             self.counters.host_offloads += 1
 
     def restore_kv(self, h: Prefix, entry: HostKV) -> None:
         """Writes a host-tier entry into the first pages of `h`'s (just reserved) table."""
         st = self._state()
-        b = self._page_bucket(entry.n_pages)
-        idx = np.full(b, self.pages.trash, np.int32)
+        idx = np.full(entry.held_pages, self.pages.trash, np.int32)
         idx[: entry.n_pages] = self.pages.tables[h.slot][: entry.n_pages]
-        kv = entry.kv
-        if b > entry.n_pages:
-            kv = np.concatenate([kv, np.zeros(kv.shape[:3] + (b - entry.n_pages,) + kv.shape[4:],
-                                              kv.dtype)], axis=3)
-        st.pools = self._write_fn(st.pools, jax.device_put(kv, self._placement), idx)
+        st.pools = self._write_fn(st.pools, jax.device_put(entry.kv, self._tier_device), idx)
 
     def _drop_kv(self, h: Prefix, reason: str) -> None:
         self.pages.release_pages(h.slot)

@@ -1,11 +1,13 @@
-"""Host tier of the paged KV cache: an evicted task's pages, kept in host memory. No JAX.
+"""Host tier of the paged KV cache: an evicted task's pages, kept in host memory. No JAX
+(the store keeps what the engine copied: a JAX array in the backend's pinned host memory).
 
-With `rollout.host_kv_pages` > 0, `Engine.evict` copies the task's resident pages to the host
-before it frees them, and the task's next prefill copies them back into fresh pages instead of
-computing that context again (what SGLang's HiCache and vLLM's CPU offloading do for their
-prefix caches). On a CPU the copy is a memcpy; on a GPU it crosses PCIe (a 7B model's 57 KB
-of KV per token: ~1 ms per thousand tokens at 55 GB/s, against tens of milliseconds to
-prefill them). It is an engine option, so both schedulers get it.
+With `rollout.host_kv_pages` > 0, `Engine.evict` queues a copy of the task's resident pages
+to pinned host memory before it frees them (it does not wait for it), and the task's next
+prefill copies them back into fresh pages instead of computing that context again (what
+SGLang's HiCache and vLLM's CPU offloading do for their prefix caches). On a CPU the copy is
+a memcpy; on a GPU it crosses PCIe (a 7B model's 57 KB of KV per token: ~1 ms per thousand
+tokens at 55 GB/s, against tens of milliseconds to prefill them). It is an engine option, so
+both schedulers get it.
 
 An entry belongs to one task handle and one weight version: it holds the KV of the handle's
 first `n_tokens` tokens, the tokens it was computed on and the version. It is restorable while
@@ -21,25 +23,27 @@ import collections
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 
 @dataclasses.dataclass(eq=False)
 class HostKV:
-    """One evicted task's KV on the host: `kv` is `[n_layers, 2 (K, V), kv heads, n_pages,
-    page_size, head_dim]`, the pages of its first `n_tokens` tokens (`tokens`), of weight
-    version `version`."""
+    """One evicted task's KV on the host: `kv` is `[n_layers, 2 (K, V), kv heads, pages,
+    page_size, head_dim]` (a JAX array in pinned host memory, or a NumPy array), whose first
+    `n_pages` pages hold its first `n_tokens` tokens (`tokens`), of weight version `version`.
+    The engine copies pages in power-of-two buckets (one compiled copy per bucket): the
+    pages past `n_pages` are padding, and count in the store as memory it holds."""
 
     tokens: tuple[int, ...]
     version: int
-    kv: np.ndarray
+    kv: Any
+    n_pages: int
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
     @property
-    def n_pages(self) -> int:
+    def held_pages(self) -> int:
+        """Pages of host memory the entry holds (its padding included)."""
         return self.kv.shape[3]
 
 
@@ -64,14 +68,14 @@ class HostKVStore:
         """Keeps `entry` as `handle`'s (replacing any older one), dropping the oldest entries
         until it fits; False (nothing kept) when it alone is larger than the store."""
         self.drop(handle)
-        if entry.n_pages > self.capacity_pages:
+        if entry.held_pages > self.capacity_pages:
             return False
-        while self.pages_used + entry.n_pages > self.capacity_pages:
+        while self.pages_used + entry.held_pages > self.capacity_pages:
             _, (_, old) = self._entries.popitem(last=False)
-            self.pages_used -= old.n_pages
+            self.pages_used -= old.held_pages
             self.dropped += 1
         self._entries[id(handle)] = (handle, entry)
-        self.pages_used += entry.n_pages
+        self.pages_used += entry.held_pages
         return True
 
     def lookup(self, handle: Any, version: int, context) -> HostKV | None:
@@ -90,7 +94,7 @@ class HostKVStore:
         """Forgets `handle`'s entry (restored, ended, migrated or replaced)."""
         got = self._entries.pop(id(handle), None)
         if got is not None:
-            self.pages_used -= got[1].n_pages
+            self.pages_used -= got[1].held_pages
 
     def clear(self) -> None:
         """Forgets every entry (a weight sync: their KV is of an older version)."""

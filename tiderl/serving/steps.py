@@ -143,11 +143,28 @@ def copy_pages_fn(pool_sharding: Any = None):
 
 
 @functools.lru_cache(maxsize=32)
-def page_io_fns(pool_sharding: Any = None):
-    """The host KV tier's jitted page reads (`kv.read_pages`) and writes (`kv.write_pages`,
-    pools donated, kept at `pool_sharding` on a cell)."""
-    return (jax.jit(read_pages),
+def page_io_fns(pool_sharding: Any = None, host_sharding: Any = None):
+    """The host KV tier's jitted page reads (`kv.read_pages`, written straight to
+    `host_sharding`'s host memory when given) and writes (`kv.write_pages`, pools donated,
+    kept at `pool_sharding` on a cell)."""
+    return (jax.jit(read_pages, out_shardings=host_sharding),
             jax.jit(write_pages, donate_argnums=(0,), out_shardings=pool_sharding))
+
+
+def tier_shardings(device: Any, pool_sharding: Any = None) -> tuple[Any, Any]:
+    """Where a host-tier entry (`[n_layers, 2, K, N, S, Dh]`, kv heads placed as the pools')
+    lives: (on the devices, in the backend's `pinned_host` memory). The second is None on a
+    backend without pinned host memory (the entry is then copied to a NumPy array). Pinned
+    memory is what a GPU's DMA engines copy from and to without staging, and a read into it
+    is queued like any kernel: the engine does not wait for it."""
+    if pool_sharding is None:
+        dev = jax.sharding.SingleDeviceSharding(device)
+        kinds = {m.kind for m in device.addressable_memories()}
+    else:
+        dev = NamedSharding(pool_sharding.mesh, PartitionSpec(None, None, *pool_sharding.spec))
+        kinds = set.intersection(*({m.kind for m in d.addressable_memories()}
+                                   for d in pool_sharding.mesh.devices.flat))
+    return dev, (dev.with_memory_kind("pinned_host") if "pinned_host" in kinds else None)
 
 
 def cell_of(params: Any) -> tuple[Any, Any]:
