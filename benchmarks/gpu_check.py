@@ -13,7 +13,8 @@ a. decode, per shape (Qwen2.5-0.5B- and 1.5B-shaped random models, bf16 compute 
    must read (every weight once + each row's K/V); the Pallas decode kernel checked against
    the gather reference on the engine's own pool.
 b. prefill, same engines: tokens/s of prefilling batch × 1,024 tokens, and its model FLOPs
-   utilisation.
+   utilisation; then the host KV tier: those contexts evicted to `pinned_host` and restored
+   (GB/s each way, the restore's time against the prefill's, restored logprobs checked).
 c. train, per shape: `TrainerBackend.train_step` on packed rows (2 micro-batches × 2 rows ×
    4,096 tokens, Ref forward for the KL term, remat, chunked head, fp32 master weights with bf16
    compute): tokens/s and MFU (model FLOPs: 2N per token for the Ref, 6N for the Actor, plus
@@ -257,10 +258,12 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
     pages_per_row = -(-(ctx + steps * len(s.batches) + 8) // 16)
     # max_context sets the page-table width the kernel splits (2,048 → 128 pages: 16 splits of
     # 8-page blocks); the rows hold ctx tokens.
+    # The host KV tier holds every row's context (b'); it is off the decode path.
     rc = RolloutConfig(page_size=16, num_pages=big * pages_per_row + 1, max_slots=big,
                        max_context=s.max_context, max_action_tokens=s.max_context,
                        temperature=1.0, decode_buckets=tuple(sorted(s.batches)),
-                       prefill_buckets=(ctx,), prefill_batch=big)
+                       prefill_buckets=(ctx,), prefill_batch=big,
+                       host_kv_pages=2 * big * pages_per_row)
     eng = Engine(graphdef, params, mcfg, rc, seed=0)
     state = eng.init_decode_state()
     prompts = [rng.integers(0, mcfg.vocab_size, ctx).tolist() for _ in range(big)]
@@ -283,6 +286,8 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
     res.metrics.update(prefill_tok_s=pre_tok_s, prefill_mfu=pre_mfu)
     res.row(f"(b) prefill {big} × {ctx} tokens", f"{pre_tok_s:,.0f} tok/s",
             f"MFU {pre_mfu:.1%}" if pre_mfu is not None else "MFU: peak unknown")
+
+    tier_figures(eng, prefill, t_pre, res, s)
 
     hs = prefill()
     fn = make_step(graphdef, kind="decode", impl=eng.attention, interpret=eng.interpret,
@@ -336,6 +341,62 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
                 f"{t_eng * 1e3:.2f} ms/step incl. host bookkeeping; kernel |Δ| {err:.1e}")
     res.metrics["attention"] = eng.attention
     return res
+
+
+def tier_figures(eng, prefill, t_pre: float, res: Result, s: Settings) -> None:
+    """(b') the host KV tier (`rollout.host_kv_pages`): every row's context evicted to pinned
+    host memory (`Engine.evict`, waited for), then copied back by the rows' next prefill of
+    one token each, against the prefill that computed those contexts (`t_pre`). Restored
+    tokens and logprobs are checked against the rows kept resident."""
+    import jax
+    import numpy as np
+
+    from tiderl.serving.engine import PrefillRequest
+
+    def round_trip():
+        hs = prefill()
+        t0 = time.perf_counter()
+        for h in hs:
+            eng.evict(h)
+        entries = [eng.host_kv.lookup(h, eng.version, h.tokens) for h in hs]
+        jax.block_until_ready([e.kv for e in entries])
+        t_out = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        back = eng.prefill_many(None, [PrefillRequest(h, [h.tokens[-1]], 1) for h in hs])
+        jax.block_until_ready(eng.state.pools)
+        t_in = time.perf_counter() - t0
+        nbytes = sum(e.kv.nbytes for e in entries)
+        kinds = {str(getattr(e.kv, "sharding", None) and e.kv.sharding.memory_kind)
+                 for e in entries}
+        lps = [h.logprobs[-1] for h in back]
+        for h in back:
+            eng.free(h)
+        return t_out, t_in, nbytes, kinds, lps
+
+    def resident():
+        hs = prefill()
+        back = eng.prefill_many(None, [PrefillRequest(h, [h.tokens[-1]], 1) for h in hs])
+        lps = [h.logprobs[-1] for h in back]
+        for h in back:
+            eng.free(h)
+        return lps
+
+    want = resident()  # compiles the one-token prefill over a resident context
+    round_trip()  # compiles the tier's copies
+    runs = [round_trip() for _ in range(s.repeats)]
+    t_out = statistics.median(r[0] for r in runs)
+    t_in = statistics.median(r[1] for r in runs)
+    nbytes, kinds, got = runs[-1][2], runs[-1][3], runs[-1][4]
+    res.check(kinds == {"pinned_host"}, f"host KV tier entries in pinned_host memory: {kinds}")
+    err = float(np.max(np.abs(np.asarray(got) - np.asarray(want))))
+    res.check(err <= TOL_BF16, f"restored context's next logprob vs resident: |Δ| {err:.2e}")
+    res.metrics.update(tier_out_gb_s=nbytes / t_out / 1e9, tier_in_gb_s=nbytes / t_in / 1e9,
+                       tier_restore_over_prefill=t_in / t_pre, tier_restore_err=err)
+    res.row("(b') host KV tier: evict to pinned_host", f"{nbytes / t_out / 1e9:.1f} GB/s",
+            f"{_gib(nbytes)} in {t_out * 1e3:.1f} ms")
+    res.row("(b') restore + a 1-token prefill", f"{nbytes / t_in / 1e9:.1f} GB/s",
+            f"{t_in * 1e3:.1f} ms = {t_in / t_pre:.2f}× the prefill of those tokens; "
+            f"logprob |Δ| {err:.1e}")
 
 
 def _packed_microbatches(mcfg, s: Settings, n_ranks: int = 1):

@@ -343,8 +343,9 @@ def test_serving_weights_are_bf16_and_change_nothing_the_engine_computes():
 def test_gpu_check_cpu_smoke_passes():
     """`benchmarks/gpu_check.py --cpu-smoke`: every part's code path at toy sizes on the CPU
     (decode and prefill through the engine with the Pallas kernel checked in interpret mode,
-    the trainer step and each training attention kernel, pinned_host swaps, and a 2-step
-    launch of configs/gpu-1.yaml with rollout and training sharing one device)."""
+    the host KV tier's round trip, the trainer step and each training attention kernel,
+    pinned_host swaps, and a 2-step launch of configs/gpu-1.yaml with rollout and training
+    sharing one device)."""
     r = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--cpu-smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": ROOT})
@@ -353,4 +354,7 @@ def test_gpu_check_cpu_smoke_passes():
     assert set(out["parts"]) == {"decode+prefill toy", "train toy", "swap toy", "launch toy"}
     assert out["launch:toy:launch_steps"] == 2
     assert out["decode+prefill:toy:decode_kernel_err_b2"] <= 2e-2
+    # The host KV tier's round trip: pinned_host entries (checked inside), restored logprobs.
+    assert out["decode+prefill:toy:tier_restore_err"] <= 2e-2
+    assert out["decode+prefill:toy:tier_out_gb_s"] > 0 and out["decode+prefill:toy:tier_in_gb_s"] > 0
     assert out["train:toy:attention_pallas_ms"] > 0
