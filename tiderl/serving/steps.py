@@ -4,7 +4,8 @@
   donated; cached on its static arguments, so engines of one model in a process share code.
 - `make_sampler`: jitted sampling from given logits rows (a GRPO sibling's first token).
 - `copy_pages_fn`: the jitted copy-on-write page copy, pools donated; `page_io_fns`: the host
-  KV tier's page reads and writes.
+  KV tier's page reads and writes; `tier_shardings`: where its entries live (pinned host
+  memory, laid out as the pools).
 - `cell_of`, `pool_sharding_for`: an engine's placement (one device, or a tensor-parallel cell
   with its KV pools sharded on kv heads).
 
