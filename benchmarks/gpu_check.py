@@ -346,8 +346,8 @@ def part_decode(shape: str, s: Settings, cache_dir: str) -> Result:
 def tier_figures(eng, prefill, t_pre: float, res: Result, s: Settings) -> None:
     """(b') the host KV tier (`rollout.host_kv_pages`): every row's context evicted to pinned
     host memory (`Engine.evict`, waited for), then copied back by the rows' next prefill of
-    one token each, against the prefill that computed those contexts (`t_pre`). Restored
-    tokens and logprobs are checked against the rows kept resident."""
+    one token each, against the prefill that computed those contexts (`t_pre`). The restored
+    rows' next logprob is checked against the same rows kept resident."""
     import jax
     import numpy as np
 
@@ -366,8 +366,7 @@ def tier_figures(eng, prefill, t_pre: float, res: Result, s: Settings) -> None:
         jax.block_until_ready(eng.state.pools)
         t_in = time.perf_counter() - t0
         nbytes = sum(e.kv.nbytes for e in entries)
-        kinds = {str(getattr(e.kv, "sharding", None) and e.kv.sharding.memory_kind)
-                 for e in entries}
+        kinds = {getattr(getattr(e.kv, "sharding", None), "memory_kind", None) for e in entries}
         lps = [h.logprobs[-1] for h in back]
         for h in back:
             eng.free(h)
