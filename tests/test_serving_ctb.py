@@ -504,6 +504,48 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s._check_indexes()
 
 
+def test_release_valve_parks_only_a_task_whose_env_outlasts_the_turn_it_makes_room_for():
+    # W (its observation in hand, paused for room) wants R's room while R waits on its env.
+    # Parking R pays only if R's env keeps it away for W's whole turn: if it answers sooner,
+    # R is back wanting room W now holds, and the room has changed hands for nothing.
+    def scene():
+        cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
+                        wait_samples=1, park_min_wait=0.0)
+        s = CTBScheduler(cfg, [100], max_context=1000)
+        now = [0.0]
+        s.set_clock(lambda: now[0])
+        s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30, task_type=n)
+                  for n in ("e", "w", "r")])
+        assert len(s.schedule()) == 3
+        now[0] = 1.0
+        s.update_usage("e", 40, executing=True)
+        s.update_usage("w", 40, executing=True)
+        s.set_executing("w", False)
+        s.update_usage("r", 20, executing=True)
+        s.set_executing("r", False)
+        now[0] = 1.5
+        s.update_usage("r", 50, ready=True)
+        assert s.schedule() == [Pause("w", 0)]
+        s.set_executing("r", True)
+        s.set_executing("r", False)
+        now[0] = 2.0
+        s.update_usage("w", 42, ready=True)
+        s.engine_busy = [0.5]
+        # What the scheduler has learned: R's env answers in `rem` seconds from now, on
+        # average; how long W's turns take is set below.
+        return s, s.type_stats["r"].waits.remaining(now[0] - s.tasks["r"].since)
+
+    s, rem = scene()
+    assert rem == pytest.approx(0.5)
+    s.type_stats["w"].turn_s = 0.25  # R stays away longer than W's turn: parked
+    assert s.schedule() == [Pause("r", 0, parked=True), Resume("w", 0, False)]
+    s, _ = scene()
+    s.type_stats["w"].turn_s = 1.0  # R's env would answer mid-turn: W waits for room
+    assert s.schedule() == []
+    assert not s.tasks["r"].parked and s.tasks["w"].state == "paused"
+    s._check_indexes()
+
+
 def test_overcommit_stretches_the_budget_while_the_engine_idles():
     cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
                     overcommit_max=3.0)

@@ -69,11 +69,14 @@ async def play(engines, rcfg, *, scheduler="ctb", groups=3, group_size=4, ctb=No
     sched = make_scheduler(scheduler, ctb or CTBConfig(action_reserve=rcfg.max_action_tokens),
                            [cap] * len(ranks), max_context=rcfg.max_context)
     src = TaskSource("default", "train", groups=groups, group_size=group_size)
-    async with endpoint(EnvConfig()) as url, EnvClient(url) as env:
-        mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=4)
-        trajs = await asyncio.gather(*(mgr.run_group(src.element(k)) for k in range(groups)))
-    for r in ranks:
-        await r.close()
+    try:
+        async with endpoint(EnvConfig()) as url, EnvClient(url) as env:
+            mgr = RolloutManager(ranks, sched, env, tmpl, max_turns=4)
+            trajs = await asyncio.gather(*(mgr.run_group(src.element(k))
+                                           for k in range(groups)))
+    finally:
+        for r in ranks:
+            await r.close()
     return [t for g in trajs for t in g], mgr
 
 
@@ -107,6 +110,56 @@ async def test_every_task_ends_and_trajectories_are_what_the_engine_produced():
     stats = mgr.stats()
     assert stats["prompt_tokens"] > 0 and stats["cached_tokens"] > 0
     assert stats["decisions"]["admit"] == 12
+
+
+@pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])
+async def test_a_burst_of_events_gets_one_scheduling_round(monkeypatch, scheduler):
+    # Every turn's end and every env answer asks for a round (`kick`); the events of one
+    # event-loop iteration (a decode batch's tasks ending together) share one.
+    from tiderl.serving.ctb import CTBScheduler, VanillaScheduler
+
+    cls = CTBScheduler if scheduler == "ctb" else VanillaScheduler
+    counts = {"kicks": 0, "rounds": 0}
+    kick, schedule = RolloutManager.kick, cls.schedule
+
+    def counted_kick(self):
+        counts["kicks"] += 1
+        kick(self)
+
+    def counted_schedule(self):
+        counts["rounds"] += 1
+        return schedule(self)
+
+    monkeypatch.setattr(RolloutManager, "kick", counted_kick)
+    monkeypatch.setattr(cls, "schedule", counted_schedule)
+    rcfg = rollout_cfg()
+    _, _, engines = build(1, rcfg)
+    trajs, mgr = await play(engines, rcfg, scheduler=scheduler, groups=2, group_size=4)
+    assert len(trajs) == 8 and all(t.ok for t in trajs)
+    assert mgr.stats()["decisions"]["admit"] == 8
+    # Four tasks a turn end in one decode batch: at most about a third as many rounds as kicks.
+    assert 0 < counts["rounds"] <= counts["kicks"] / 3, counts
+
+
+async def test_a_scheduler_that_raises_fails_the_rollout_with_its_error(monkeypatch):
+    # A scheduling round runs on its own (not inside the episode that asked for it): a
+    # scheduler bug must still end the rollout with its error, not leave tasks waiting.
+    from tiderl.serving.ctb import CTBScheduler
+    from tiderl.serving.rollout import RolloutFailedError
+
+    schedule, calls = CTBScheduler.schedule, [0]
+
+    def broken(self):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise KeyError("injected scheduler bug")
+        return schedule(self)
+
+    monkeypatch.setattr(CTBScheduler, "schedule", broken)
+    rcfg = rollout_cfg()
+    _, _, engines = build(1, rcfg)
+    with pytest.raises(RolloutFailedError, match="CTBScheduler.*injected scheduler bug"):
+        await asyncio.wait_for(play(engines, rcfg, groups=2, group_size=4), timeout=120)
 
 
 async def test_vanilla_under_memory_pressure_evicts_and_still_finishes():

@@ -3,8 +3,9 @@
 `RolloutManager` owns the scheduler, the ranks and the env client. `run_group(group)` plays
 every task of a GRPO group to its end and returns their `Trajectory`s; each task is one
 coroutine (the episode runner): wait for admission → `/start` → turns (prefill the observation
-→ decode the action on the task's rank → `/observation`) → `/end`. Scheduling rounds run after
-every event that changes usage or state; their decisions are applied here: `Admit` wakes a
+→ decode the action on the task's rank → `/observation`) → `/end`. A scheduling round runs
+after the events that change usage or state, one round per event-loop iteration for all of
+that iteration's events (`kick`); its decisions are applied here: `Admit` wakes a
 task, `Pause` parks it on its rank and calls `/pause` on its env session, `Resume` revives it
 (migrating its handle when the rank changes) and calls `/resume`.
 
@@ -134,10 +135,40 @@ class RolloutManager(Measuring):
         self._busy_at: float | None = None
         self._busy_s: list[float] = []
         self._window: tuple[float, list[float], dict[str, float]] | None = None
+        self._round_pending = False
 
     # -- scheduling -----------------------------------------------------------------------------
     def kick(self) -> None:
-        """One scheduling round; applies its decisions."""
+        """Asks for a scheduling round. One round runs at the event loop's next iteration for
+        every event of this one: a batch of turns ends on a rank at once, and each of its tasks
+        reports its new size and kicks; one round over all of them decides the same, where a
+        round per event cost CTB's scheduler most of the event loop's time (its rounds look at
+        every live task). Outside a running loop, the round runs now."""
+        if self._round_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._round()
+            return
+        self._round_pending = True
+        loop.call_soon(self._round)
+
+    def _round(self) -> None:
+        """One scheduling round; applies its decisions. A round that raises (a scheduler bug)
+        fails the rollout with that error, rather than leaving every task waiting for a round
+        that will never admit it."""
+        self._round_pending = False
+        try:
+            self._apply_round()
+        except Exception as e:  # noqa: BLE001 -- becomes the rollout's error, not a stall
+            log.exception("the scheduling round failed")
+            self.fatal = RolloutFailedError(f"the task scheduler ({type(self.sched).__name__}) "
+                                            f"raised {e!r}; see the log above for its traceback")
+            for ep in self.episodes.values():
+                ep.wake.set()
+
+    def _apply_round(self) -> None:
         self._track_busy()
         for d in self.sched.schedule():
             ep = self.episodes[d.task_id]

@@ -175,7 +175,8 @@ class TaskTable(TaskIndexes):
         if executing:
             self._env_answered(t)
         elif t.executing and t.state in LIVE_STATES:
-            self._stats(t).add_compute(self.clock() - t.answered)
+            now = self.clock()
+            self._stats(t).add_compute(now - t.answered, now - t.since)
         self._set_executing(t, executing)
 
     def set_ready(self, task_id: str) -> None:
