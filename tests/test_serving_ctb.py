@@ -546,6 +546,20 @@ def test_release_valve_parks_only_a_task_whose_env_outlasts_the_turn_it_makes_ro
     s._check_indexes()
 
 
+def test_within_budget_says_when_a_round_would_pause_nothing_on_a_rank():
+    # The rollout lets a task whose env answered start its turn before the next round only
+    # while its rank is within budget; past it, the round runs first and pauses down to it.
+    cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False)
+    s = CTBScheduler(cfg, [100], max_context=1000)
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30) for n in ("a", "b")])
+    assert len(s.schedule()) == 2 and s.within_budget(0)
+    s.update_usage("a", 40, executing=True)
+    s.set_executing("a", False)
+    s.update_usage("b", 70, ready=True)  # 40 + 70 > 100
+    assert not s.within_budget(0)
+    assert s.schedule() == [Pause("a", 0)] and s.within_budget(0)
+
+
 def test_overcommit_stretches_the_budget_while_the_engine_idles():
     cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
                     overcommit_max=3.0)

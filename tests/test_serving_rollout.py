@@ -114,17 +114,17 @@ async def test_every_task_ends_and_trajectories_are_what_the_engine_produced():
 
 @pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])
 async def test_a_burst_of_events_gets_one_scheduling_round(monkeypatch, scheduler):
-    # Every turn's end and every env answer asks for a round (`kick`); the events of one
-    # event-loop iteration (a decode batch's tasks ending together) share one.
+    # Every turn's end and every env answer asks for a round (`kick`); those that need no
+    # decision at once share one round per event-loop iteration.
     from tiderl.serving.ctb import CTBScheduler, VanillaScheduler
 
     cls = CTBScheduler if scheduler == "ctb" else VanillaScheduler
     counts = {"kicks": 0, "rounds": 0}
     kick, schedule = RolloutManager.kick, cls.schedule
 
-    def counted_kick(self):
+    def counted_kick(self, **kw):
         counts["kicks"] += 1
-        kick(self)
+        kick(self, **kw)
 
     def counted_schedule(self):
         counts["rounds"] += 1
@@ -137,8 +137,10 @@ async def test_a_burst_of_events_gets_one_scheduling_round(monkeypatch, schedule
     trajs, mgr = await play(engines, rcfg, scheduler=scheduler, groups=2, group_size=4)
     assert len(trajs) == 8 and all(t.ok for t in trajs)
     assert mgr.stats()["decisions"]["admit"] == 8
-    # Four tasks a turn end in one decode batch: at most about a third as many rounds as kicks.
-    assert 0 < counts["rounds"] <= counts["kicks"] / 3, counts
+    # Four tasks a turn end in one decode batch, and the env answers of tasks whose rank is
+    # within budget need no round before their turn: at most half as many rounds as kicks
+    # (measured: 20 of 58 with CTB, 9 of 58 with vanilla; one round per kick before).
+    assert 0 < counts["rounds"] <= counts["kicks"] / 2, counts
 
 
 async def test_a_scheduler_that_raises_fails_the_rollout_with_its_error(monkeypatch):

@@ -69,6 +69,10 @@ class UsageTable(TaskTable):
         busy = self.engine_busy[rank]
         return 1.0 if top <= 1.0 or busy >= 1.0 else min(top, 1.0 / max(busy, 1e-9))
 
+    def within_budget(self, rank: int) -> bool:
+        """No task on `rank` needs pausing for room: its usage is within its budget."""
+        return self.usage(rank) <= self.budget(rank)
+
     def limit(self, rank: int) -> int:
         """What a task joining `rank` may bring its usage up to: the budget, or on a rank with
         nothing active its whole capacity. The budget's slack is for other tasks' growth; a

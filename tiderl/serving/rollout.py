@@ -3,9 +3,9 @@
 `RolloutManager` owns the scheduler, the ranks and the env client. `run_group(group)` plays
 every task of a GRPO group to its end and returns their `Trajectory`s; each task is one
 coroutine (the episode runner): wait for admission → `/start` → turns (prefill the observation
-→ decode the action on the task's rank → `/observation`) → `/end`. A scheduling round runs
-after the events that change usage or state, one round per event-loop iteration for all of
-that iteration's events (`kick`); its decisions are applied here: `Admit` wakes a
+→ decode the action on the task's rank → `/observation`) → `/end`. Scheduling rounds run after
+the events that change usage or state (those that need no decision at once share one round
+per event-loop iteration, see `kick`); their decisions are applied here: `Admit` wakes a
 task, `Pause` parks it on its rank and calls `/pause` on its env session, `Resume` revives it
 (migrating its handle when the rank changes) and calls `/resume`.
 
@@ -138,12 +138,18 @@ class RolloutManager(Measuring):
         self._round_pending = False
 
     # -- scheduling -----------------------------------------------------------------------------
-    def kick(self) -> None:
-        """Asks for a scheduling round. One round runs at the event loop's next iteration for
-        every event of this one: a batch of turns ends on a rank at once, and each of its tasks
-        reports its new size and kicks; one round over all of them decides the same, where a
-        round per event cost CTB's scheduler most of the event loop's time (its rounds look at
-        every live task). Outside a running loop, the round runs now."""
+    def kick(self, *, defer: bool = False) -> None:
+        """A scheduling round now; with `defer`, one at the event loop's next iteration for
+        all the deferred kicks of this one. The events that need no decision before their
+        task goes on defer theirs: a batch of turns ends on a rank at once (its tasks only
+        become parkable), a task ends (its room is for others), a task's environment answers
+        while its rank is within budget (nothing there needs pausing, so its turn may
+        start). A round per event cost CTB's scheduler most of the event loop's time on
+        short environment waits (its rounds look at every live task). A round now also
+        covers any deferred one. Outside a running loop every round runs now."""
+        if not defer:
+            self._round()
+            return
         if self._round_pending:
             return
         try:
@@ -152,7 +158,19 @@ class RolloutManager(Measuring):
             self._round()
             return
         self._round_pending = True
-        loop.call_soon(self._round)
+        loop.call_soon(self._deferred_round)
+
+    def _unhindered(self, ep: _Episode) -> bool:
+        """`ep`'s task is active on a rank within its budget: a round now would pause nothing
+        there, so its turn may start before the round runs."""
+        if ep.task.state != "active" or ep.rank is None:
+            return False
+        within = getattr(self.sched, "within_budget", None)
+        return within is None or within(ep.rank)
+
+    def _deferred_round(self) -> None:
+        if self._round_pending:  # else a round ran since it was asked for
+            self._round()
 
     def _round(self) -> None:
         """One scheduling round; applies its decisions. A round that raises (a scheduler bug)
@@ -323,12 +341,12 @@ class RolloutManager(Measuring):
                 # Its environment answered: it wants the engine (the scheduler resumes ready
                 # tasks first and knows how long each type waits).
                 self.sched.update_usage(tid, len(transcript), ready=True)
-                self.kick()
+                self.kick(defer=self._unhindered(ep))
                 # Executing from the turn's start (`_turn`) to its end: CTB never pauses it
                 # meanwhile, and its context counts in its rank's usage.
                 result = await self._turn(ep, new_tokens, images=sent)
                 self.sched.set_executing(tid, False)
-                self.kick()  # waiting on its env now: the scheduler may park it
+                self.kick(defer=True)  # waiting on its env now: the scheduler may park it
                 traj.turns += 1
                 traj.prompt_tokens += result.prompt_tokens
                 traj.cached_tokens += result.cached_tokens
@@ -452,7 +470,7 @@ class RolloutManager(Measuring):
         result = await self._turn(ep, new_tokens, max_action_tokens=max_action_tokens,
                                   images=images)
         self.sched.set_executing(tid, False)
-        self.kick()
+        self.kick(defer=True)
         return result
 
     def finished(self, ep: _Episode, traj: Trajectory) -> None:
@@ -522,4 +540,4 @@ class RolloutManager(Measuring):
             self.ranks[ep.holder].finish(ep.key)
         self.sched.finish(tid)
         self.episodes.pop(tid, None)
-        self.kick()
+        self.kick(defer=True)
