@@ -455,16 +455,17 @@ def test_wait_model_expected_remaining_wait():
     assert w.remaining(10.0) == 2.5  # longer than any seen: about as long again
 
 
-def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
-    # E executes, W waits on its env, R has its observation: R fits only if W lets go. W is
-    # parked (it holds no room while it waits), R runs; a new task may use the room while W's
-    # env still has it, but once W's env answers W goes before any new task.
+def _w_paused_for_r(*, typed: bool):
+    """One rank of 100 tokens: E executes, W waits on its env, R's env answers and W is
+    paused for R's room (W waiting is worth less than R with its observation); R's turn
+    runs and R waits on its env again. `typed`: each task is its own task type."""
     cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False, wait_samples=1,
                     park_min_wait=0.0)
     s = CTBScheduler(cfg, [100], max_context=1000)
     now = [0.0]
     s.set_clock(lambda: now[0])
-    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30) for n in ("e", "w", "r")])
+    s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30,
+                   task_type=n if typed else "") for n in ("e", "w", "r")])
     assert len(s.schedule()) == 3
     now[0] = 1.0
     s.update_usage("e", 40, executing=True)
@@ -474,10 +475,17 @@ def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
     s.set_executing("r", False)
     now[0] = 1.5
     s.update_usage("r", 50, ready=True)  # 40 + 40 + 50 > 100
-    # Over budget: W (waiting) is worth less than R (it has its observation): W is paused.
     assert s.schedule() == [Pause("w", 0)]
     s.set_executing("r", True)
-    s.set_executing("r", False)  # R waits on its env again
+    s.set_executing("r", False)
+    return s, now
+
+
+def test_release_valve_gives_a_ready_task_the_room_of_a_waiting_one():
+    # E executes, W waits on its env, R has its observation: R fits only if W lets go. W is
+    # parked (it holds no room while it waits), R runs; a new task may use the room while W's
+    # env still has it, but once W's env answers W goes before any new task.
+    s, now = _w_paused_for_r(typed=False)
     now[0] = 2.0
     s.update_usage("w", 42, ready=True)  # W's env answered: 40 + 50 + 42 > 100
     assert s.tasks["w"].ready and s.tasks["w"].state == "paused"
@@ -509,25 +517,7 @@ def test_release_valve_parks_only_a_task_whose_env_outlasts_the_turn_it_makes_ro
     # Parking R pays only if R's env keeps it away for W's whole turn: if it answers sooner,
     # R is back wanting room W now holds, and the room has changed hands for nothing.
     def scene():
-        cfg = CTBConfig(action_reserve=0, budget_fraction=1.0, plan_growth=False,
-                        wait_samples=1, park_min_wait=0.0)
-        s = CTBScheduler(cfg, [100], max_context=1000)
-        now = [0.0]
-        s.set_clock(lambda: now[0])
-        s.submit([Task(task_id=n, group_id=n.upper(), prompt_tokens=30, task_type=n)
-                  for n in ("e", "w", "r")])
-        assert len(s.schedule()) == 3
-        now[0] = 1.0
-        s.update_usage("e", 40, executing=True)
-        s.update_usage("w", 40, executing=True)
-        s.set_executing("w", False)
-        s.update_usage("r", 20, executing=True)
-        s.set_executing("r", False)
-        now[0] = 1.5
-        s.update_usage("r", 50, ready=True)
-        assert s.schedule() == [Pause("w", 0)]
-        s.set_executing("r", True)
-        s.set_executing("r", False)
+        s, now = _w_paused_for_r(typed=True)
         now[0] = 2.0
         s.update_usage("w", 42, ready=True)
         s.engine_busy = [0.5]
