@@ -82,13 +82,13 @@ class TypeStats:
     """Mean seconds a turn executes on its rank: from its start (room found, the engine's
     prefill requested) to its end (exponential average)."""
 
-    def add_compute(self, seconds: float, turn_s: float | None = None,
-                    alpha: float = 0.1) -> None:
+    def add_compute(self, seconds: float, turn_s: float, alpha: float = 0.1) -> None:
+        """A turn ended: `seconds` since its environment answered, `turn_s` of them on its
+        rank."""
         self.turns += 1
         a = 1.0 if self.turns == 1 else alpha
         self.compute_s += a * (max(0.0, seconds) - self.compute_s)
-        if turn_s is not None:
-            self.turn_s += a * (max(0.0, turn_s) - self.turn_s)
+        self.turn_s += a * (max(0.0, turn_s) - self.turn_s)
 
     @property
     def wait_fraction(self) -> float | None:
