@@ -453,6 +453,8 @@ def test_wait_model_expected_remaining_wait():
     assert w.remaining(0.0) == 2.5
     assert w.remaining(2.5) == 1.0  # E[W - 2.5 | W > 2.5] over {3, 4}
     assert w.remaining(10.0) == 2.5  # longer than any seen: about as long again
+    w.add(10.0)  # read above, so a kept mean would be stale now
+    assert w.mean == 4.75 and w.remaining(0.0) == 4.75
 
 
 def _w_paused_for_r(*, typed: bool):

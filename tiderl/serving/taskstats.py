@@ -27,6 +27,7 @@ class WaitModel:
         self._order: collections.deque[float] = collections.deque()
         self._sorted: list[float] = []
         self._suffix: list[float] | None = None
+        self._mean: float | None = None
         self.count = 0
         self.total = 0.0
 
@@ -38,6 +39,7 @@ class WaitModel:
             old = self._order.popleft()
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._suffix = None
+        self._mean = None
         self.count += 1
         self.total += wait_s
 
@@ -46,7 +48,11 @@ class WaitModel:
 
     @property
     def mean(self) -> float | None:
-        return sum(self._sorted) / len(self._sorted) if self._sorted else None
+        # Read far more often than samples arrive (every scheduling round, per waiting
+        # task): summed once per sample.
+        if self._mean is None and self._sorted:
+            self._mean = sum(self._sorted) / len(self._sorted)
+        return self._mean
 
     def remaining(self, waited_s: float) -> float | None:
         """E[W - a | W > a] over the samples; past the largest sample, the largest sample's

@@ -121,13 +121,14 @@ class ReleaseValve:
             if s.max_tasks_per_rank is not None and want.state != "active" and \
                     len(active) >= s.max_tasks_per_rank:
                 continue
-            if admit and self.expected_demand(r) + self._share_outside(want) * \
-                    self._planned(want) > s.budget(r):
-                continue
             hold = self._turn_s(want)
-            victims = sorted((t for t in active
-                              if self._parkable(t, c.park_min_wait if admit else 0.0, hold)),
-                             key=lambda t: (s.keep_value(t), t.task_id))
+            victims = [t for t in active
+                       if self._parkable(t, c.park_min_wait if admit else 0.0, hold)]
+            # Nothing to park is the common answer: it goes before the demand sum.
+            if not victims or admit and self.expected_demand(r) + self._share_outside(
+                    want) * self._planned(want) > s.budget(r):
+                continue
+            victims.sort(key=lambda t: (s.keep_value(t), t.task_id))
             # Room as admission and resumption count it: a new task must fit at everyone's
             # planned size (the scheduler's admission check), a resumed one at current sizes
             # (`fits`).
