@@ -244,7 +244,8 @@ def test_the_workload_flag_picks_the_runs_workload(monkeypatch, tmp_path, name, 
         assert {c.model for c in cfgs} == ({"qwen3-vl-4b"} if gui else {"qwen2.5-7b"})
         if name == "fig8":  # the baselines swept as for text
             assert {c.mode for c in cfgs} >= {"sync", "async", "stream"}
-            assert {c.rollout_ratio for c in cfgs if c.mode == "async"} == {0.125, 0.25, 0.5}
+            assert {c.rollout_ratio for c in cfgs if c.mode == "async"} == {0.125, 0.25, 0.375,
+                                                                            0.5}
 
 
 def test_the_workload_flag_refuses_bad_input(capsys):
