@@ -284,7 +284,10 @@ def test_textworld_games_compile_in_the_servers_private_folder():
 
     async def go():
         server = EnvServer(TextWorldGame, EnvConfig(suite="textworld", retries=0))
-        async with server.serve() as url, EnvClient(url, CFG) as env, \
+        # Compiling a game takes ~2 s on an idle core and several times that on a loaded CI
+        # machine: this client waits for it (CFG's 5 s reply limit is for the toy suites).
+        slow = EnvConfig(retries=0, request_timeout_s=120, call_deadline_s=240)
+        async with server.serve() as url, EnvClient(url, slow) as env, \
                 aiohttp.ClientSession() as http:
             status, body = await _start(http, url, {"cache_dir": "/tmp/elsewhere"})
             s = await env.start(task)
