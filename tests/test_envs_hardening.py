@@ -306,6 +306,35 @@ def test_textworld_games_compile_in_the_servers_private_folder():
         EnvServer(TextWorldGame, EnvConfig(suite="textworld", options=("cache_dir=/tmp/x",)))
 
 
+def test_a_server_that_fails_to_start_or_never_serves_leaves_no_private_folder(monkeypatch):
+    import gc
+    import tempfile
+
+    import tiderl.envs.server as server_mod
+
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(server_mod.tempfile, "mkdtemp", mkdtemp)
+
+    class Picky(GuessNumber):
+        def __init__(self, *a, **k):
+            raise ValueError("option 'level' must be 1-3")
+
+    with pytest.raises(ConfigError, match="level"):
+        EnvServer(Picky, EnvConfig())
+    assert len(made) == 1 and not os.path.exists(made[0])  # gone with the failure
+    server = EnvServer(GuessNumber, EnvConfig())
+    assert server.state_dir == made[1] and os.path.isdir(made[1])
+    del server  # constructed, never served: its folder goes when it is collected
+    gc.collect()
+    assert not os.path.exists(made[1])
+
+
 def test_textworld_cache_is_pruned_by_age_and_total_size(tmp_path):
     from tiderl.envs.adapters.textworld import prune_cache
 

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -87,9 +88,15 @@ class EnvServer(SessionRoutes):
         """The adapters' folder (caches): private to this server (mode 0700) unless given, and
         then removed at shutdown."""
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        self._drop_state_dir = weakref.finalize(
+            self, shutil.rmtree, self.state_dir, ignore_errors=True) if self._own_state_dir \
+            else (lambda: None)
+        """Removes a private folder once: at shutdown, or when a server that never served (or
+        failed to start) is collected, or at interpreter exit."""
         try:  # bad suite options fail here, at startup, not at the first /start
             self._new_adapter(self._options)
         except ValueError as e:  # TaskError, or an adapter's own check of an option's value
+            self._drop_state_dir()
             opts = [f"{k}={v}" for k, v in self._options.items()]
             raise ConfigError(f"config key 'env.options'={opts}: {e}; fix that option "
                               "(env.options, or --option of python -m tiderl.envs serve)") from e
@@ -143,8 +150,7 @@ class EnvServer(SessionRoutes):
         for s in list(self._sessions.values()):
             await self._close(s, "server shutdown")
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._own_state_dir:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        self._drop_state_dir()
 
     async def _reaper(self) -> None:
         period = min(self.cfg.idle_timeout_s, self.cfg.max_pause_s) / 4
