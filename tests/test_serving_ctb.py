@@ -357,6 +357,28 @@ def test_finishing_queued_tasks_leaves_no_broken_queue():
         s._check_indexes()
 
 
+def test_queued_tasks_are_integrated_over_time_beside_the_live_phases():
+    # Tasks submitted and not admitted yet are in no live phase; their time-integral is what
+    # tells a planner that tasks wait for admission (engine or KV room), not on the window.
+    now = [0.0]
+    for kind in (CTBScheduler, VanillaScheduler):
+        now[0] = 0.0
+        s = kind(CTBConfig(action_reserve=0), [1000], max_context=1000)
+        s.set_clock(lambda: now[0])
+        s.submit([Task(task_id=f"t{i}", group_id="A", prompt_tokens=10) for i in range(4)])
+        s.set_admission_limit(2)
+        now[0] = 1.0
+        assert len(s.schedule()) == 2  # 4 queued over [0, 1]
+        now[0] = 3.0
+        s.set_admission_limit(None)
+        assert len(s.schedule()) == 2  # 2 queued over [1, 3]
+        s.phases.advance(5.0)
+        assert s.phases.queued == 0 and s.n_queued() == 0
+        assert s.phases.queued_seconds == pytest.approx(4 * 1.0 + 2 * 2.0), kind
+        assert sum(s.phases.counts.values()) == 4  # all live now, in a phase
+        s._check_indexes()
+
+
 def test_vanilla_caps_concurrency_and_never_pauses():
     s = VanillaScheduler(CTBConfig(vanilla_concurrency=3), [10, 10], max_context=100)
     s.submit([Task(task_id=f"t{i}", group_id=f"g{i // 2}", prompt_tokens=50) for i in range(6)])

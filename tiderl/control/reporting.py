@@ -125,9 +125,9 @@ class Reporting:
             "kv_pages_in_use": [r.get("pages_in_use", 0) for r in rs["per_rank"]],
             "prefill_computed": rs["computed_tokens"],
             # Over the step: the engines' busy share, mean tasks in a turn / ready / waiting
-            # on their environment.
+            # on their environment / queued for admission.
             **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
-                                  "tasks_waiting", "tasks_paused", "shared_tokens",
+                                  "tasks_waiting", "tasks_queued", "tasks_paused", "shared_tokens",
                                   "restored_tokens", "window_cuts") if k in rs},
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),

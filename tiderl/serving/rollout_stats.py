@@ -73,8 +73,9 @@ class Measuring:
         """Starts the window that `stats()`'s engine_busy and tasks_* average over (the
         controller starts one per step)."""
         self.sched.phases.advance(self.sched.clock())
+        ph = self.sched.phases
         self._window = (self.sched.clock(), self._busy_now(),
-                        dict(self.sched.phases.seconds))
+                        {**ph.seconds, "queued": ph.queued_seconds})
 
     def _window_stats(self) -> dict[str, float]:
         if self._window is None:
@@ -89,21 +90,22 @@ class Measuring:
                 if i not in self.sched.dead and self.ranks[i] is not None] or [0]
         if dt <= 0 or not self.ranks:  # nothing elapsed yet: the current counts
             busy = 0.0
-            avg = {k: float(n) for k, n in ph.counts.items()}
+            avg = {**{k: float(n) for k, n in ph.counts.items()}, "queued": float(ph.queued)}
         else:
             busy = sum(min(1.0, max(0.0, now_busy[i] - (busy0[i] if i < len(busy0) else 0.0))
                                / dt) for i in live) / len(live)
             avg = {k: (ph.seconds[k] - sec0[k]) / dt for k in ph.seconds}
+            avg["queued"] = (ph.queued_seconds - sec0["queued"]) / dt
         return {"engine_busy": busy, "tasks_executing": avg["executing"],
                 "tasks_ready": avg["ready"], "tasks_waiting": avg["waiting"],
-                "window_s": max(dt, 0.0)}
+                "tasks_queued": avg["queued"], "window_s": max(dt, 0.0)}
 
     def stats(self) -> dict[str, Any]:
         """Token and decision counters since the start; `engine_busy` (the share of the window
         the ranks' engines worked, mean over live ranks) and `tasks_executing` /
         `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
-        their observation in hand, and waiting on their environment) over the window since
-        `new_window()`; `window_cuts`: contexts the sliding image window cut so far."""
+        their observation in hand, and waiting on their environment) and `tasks_queued` (mean
+        tasks submitted and not admitted yet) over the window since `new_window()`; `window_cuts`: contexts the sliding image window cut so far."""
         live = [r for r in self.ranks if r is not None]
         every = [r.stats for r in live] + [self.retired]
         prompt = sum(s.prompt_tokens for s in every)

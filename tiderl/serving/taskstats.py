@@ -111,6 +111,9 @@ class PhaseOccupancy:
     def __init__(self, now: float = 0.0):
         self.counts = dict.fromkeys(PHASES, 0)
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.queued = 0
+        """Tasks submitted and not admitted yet (not live: in no phase)."""
+        self.queued_seconds = 0.0
         self._last = now
 
     def advance(self, now: float) -> None:
@@ -118,7 +121,13 @@ class PhaseOccupancy:
         if dt > 0:
             for k, n in self.counts.items():
                 self.seconds[k] += n * dt
+            self.queued_seconds += self.queued * dt
         self._last = max(self._last, now)
+
+    def queue(self, now: float, delta: int) -> None:
+        """`delta` tasks joined (> 0) or left (< 0) the admission queue at `now`."""
+        self.advance(now)
+        self.queued += delta
 
     def rebase(self, now: float) -> None:
         """A new clock: integrate from `now` on (what was integrated stays)."""

@@ -128,6 +128,7 @@ class TaskTable(TaskIndexes):
                 self.queue[t.group_id] = []
             self.queue[t.group_id].append(t.task_id)
             self._n_queued += 1
+            self.phases.queue(self.clock(), 1)
             if t.is_eval:
                 self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
 
