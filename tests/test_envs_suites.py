@@ -13,8 +13,6 @@ from tiderl.envs.config import EnvConfig
 from tiderl.envs.server import EnvServer
 from tiderl.envs.suites import adapter_class
 
-pytestmark = pytest.mark.asyncio
-
 
 @contextlib.asynccontextmanager
 async def suite(name: str, *options: str, state_dir=None):
@@ -45,6 +43,7 @@ def gym_reference(game: str, seed: int, actions: list[int]) -> list[tuple[float,
 
 
 @pytest.mark.parametrize("game", GYM_GAMES)
+@pytest.mark.asyncio
 async def test_gym_adapter_reproduces_gymnasium_rewards(game):
     from tiderl.envs.adapters.gym import ACTIONS
 
@@ -68,6 +67,7 @@ async def test_gym_adapter_reproduces_gymnasium_rewards(game):
             assert end.reward == pytest.approx(sum(r for r, _ in expected), abs=1e-9)
 
 
+@pytest.mark.asyncio
 async def test_gym_invalid_action_costs_a_turn_and_names_valid_ones():
     async with suite("gym", "game=Taxi-v4") as env:
         s = await env.start({"seed": 0})
@@ -76,6 +76,7 @@ async def test_gym_invalid_action_costs_a_turn_and_names_valid_ones():
 
 
 @pytest.mark.slow
+@pytest.mark.asyncio
 async def test_textworld_walkthrough_reaches_full_score(tmp_path):
     from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape, walkthrough
 
@@ -124,6 +125,7 @@ def test_textworld_chat_form_plays_the_valid_action_a_reply_names_earliest():
 
 
 @pytest.mark.slow
+@pytest.mark.asyncio
 async def test_textworld_chat_form_wins_with_the_walkthrough_in_sentences(tmp_path):
     from tiderl.envs.adapters.textworld import cache_dir_of, compile_game, game_shape, walkthrough
 
@@ -148,6 +150,7 @@ async def test_textworld_chat_form_wins_with_the_walkthrough_in_sentences(tmp_pa
     assert end.reward == pytest.approx(0.1 * 1 / 2) and end.info["valid_turns"] == 1
 
 
+@pytest.mark.asyncio
 async def test_textarena_guess_the_number_by_bisection_wins():
     async with suite("textarena", "game=GuessTheNumber-v0") as env:
         s = await env.start({"seed": 3})
@@ -165,6 +168,7 @@ async def test_textarena_guess_the_number_by_bisection_wins():
     assert r.reward == 1.0 and end.reward == 1.0
 
 
+@pytest.mark.asyncio
 async def test_textarena_tower_of_hanoi_solved_and_seeded():
     moves = ["A C", "A B", "C B", "A C", "B A", "B C", "A C"]  # optimal for 3 disks
     async with suite("textarena", "game=TowerOfHanoi-v0") as env:
