@@ -105,7 +105,8 @@ class Measuring:
         the ranks' engines worked, mean over live ranks) and `tasks_executing` /
         `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
         their observation in hand, and waiting on their environment) and `tasks_queued` (mean
-        tasks submitted and not admitted yet) over the window since `new_window()`; `window_cuts`: contexts the sliding image window cut so far."""
+        tasks submitted and not admitted yet) over the window since `new_window()`;
+        `window_cuts`: contexts the sliding image window cut so far."""
         live = [r for r in self.ranks if r is not None]
         every = [r.stats for r in live] + [self.retired]
         prompt = sum(s.prompt_tokens for s in every)

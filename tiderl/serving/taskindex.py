@@ -36,7 +36,6 @@ class TaskIndexes:
     _active: list[dict[str, Task]]
     _n_active: int
     _paused: dict[str, Task]
-    _n_queued: int
     _queue_seq: dict[str, int]
     _queued_evals: dict[str, int]
     _live_by_type: dict[str, int]
@@ -115,7 +114,6 @@ class TaskIndexes:
     def _dequeue(self, t: Task, *, drop_empty: bool) -> None:
         tids = self.queue[t.group_id]
         tids.remove(t.task_id)
-        self._n_queued -= 1
         self.phases.queue(self.clock(), -1)
         if t.is_eval:
             left = self._queued_evals[t.group_id] - 1
@@ -212,8 +210,7 @@ class TaskIndexes:
         expect(self._live_by_type == live, "live tasks per type")
         expect(self._rank_groups == rank_groups, "groups per rank and type")
         queued = [tid for tids in self.queue.values() for tid in tids]
-        expect(len(queued) == len(set(queued)) == self._n_queued == self.phases.queued,
-               "queued count")
+        expect(len(queued) == len(set(queued)) == self.phases.queued, "queued count")
         expect(set(queued) == {tid for tid, t in self.tasks.items() if t.state == "new"},
                "queue holds exactly the new tasks")
         expect(sorted(self._queue_seq, key=self._queue_seq.__getitem__) == list(self.queue),

@@ -106,7 +106,8 @@ class TypeStats:
 
 
 class PhaseOccupancy:
-    """Time integrals of how many live tasks are in each phase (for per-step averages)."""
+    """Time integrals of how many live tasks are in each phase, and of how many tasks wait for
+    admission (`queued`: the scheduler's count of them), for per-step averages."""
 
     def __init__(self, now: float = 0.0):
         self.counts = dict.fromkeys(PHASES, 0)

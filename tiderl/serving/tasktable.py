@@ -64,7 +64,6 @@ class TaskTable(TaskIndexes):
         self._active: list[dict[str, Task]] = [{} for _ in range(n)]
         self._n_active = 0
         self._paused: dict[str, Task] = {}
-        self._n_queued = 0
         self._queue_seq: dict[str, int] = {}
         """Group -> when it joined the queue: orders eval groups without walking the queue."""
         self._queue_count = itertools.count()
@@ -127,7 +126,6 @@ class TaskTable(TaskIndexes):
                 self._queue_seq[t.group_id] = next(self._queue_count)
                 self.queue[t.group_id] = []
             self.queue[t.group_id].append(t.task_id)
-            self._n_queued += 1
             self.phases.queue(self.clock(), 1)
             if t.is_eval:
                 self._queued_evals[t.group_id] = self._queued_evals.get(t.group_id, 0) + 1
@@ -283,14 +281,14 @@ class TaskTable(TaskIndexes):
         return self._n_active
 
     def pending(self) -> int:
-        return self._n_queued + len(self._paused)
+        return self.phases.queued + len(self._paused)
 
     def n_paused(self) -> int:
         return len(self._paused)
 
     def n_queued(self) -> int:
         """Tasks submitted and not admitted yet."""
-        return self._n_queued
+        return self.phases.queued
 
     def paused_tasks(self) -> Collection[Task]:
         """The paused tasks (a live view: do not pause or resume while iterating it)."""

@@ -31,7 +31,7 @@ class VanillaScheduler(TaskTable):
             rank = least_loaded()
             self._move(t, "active", rank)
             out.append(Resume(t.task_id, rank, True))
-        while self._n_active < cap and self._n_queued and ranks and self._take_admission():
+        while self._n_active < cap and self.phases.queued and ranks and self._take_admission():
             gid, tids = next(iter(self.queue.items()))
             while not tids:  # a group whose queued tasks were all finished before admission
                 self._unqueue_group(gid)
