@@ -73,9 +73,7 @@ class Measuring:
         """Starts the window that `stats()`'s engine_busy and tasks_* average over (the
         controller starts one per step)."""
         self.sched.phases.advance(self.sched.clock())
-        ph = self.sched.phases
-        self._window = (self.sched.clock(), self._busy_now(),
-                        {**ph.seconds, "queued": ph.queued_seconds})
+        self._window = (self.sched.clock(), self._busy_now(), self.sched.phases.integrals())
 
     def _window_stats(self) -> dict[str, float]:
         if self._window is None:
@@ -90,12 +88,11 @@ class Measuring:
                 if i not in self.sched.dead and self.ranks[i] is not None] or [0]
         if dt <= 0 or not self.ranks:  # nothing elapsed yet: the current counts
             busy = 0.0
-            avg = {**{k: float(n) for k, n in ph.counts.items()}, "queued": float(ph.queued)}
+            avg = ph.current()
         else:
             busy = sum(min(1.0, max(0.0, now_busy[i] - (busy0[i] if i < len(busy0) else 0.0))
                                / dt) for i in live) / len(live)
-            avg = {k: (ph.seconds[k] - sec0[k]) / dt for k in ph.seconds}
-            avg["queued"] = (ph.queued_seconds - sec0["queued"]) / dt
+            avg = {k: (v - sec0[k]) / dt for k, v in ph.integrals().items()}
         return {"engine_busy": busy, "tasks_executing": avg["executing"],
                 "tasks_ready": avg["ready"], "tasks_waiting": avg["waiting"],
                 "tasks_queued": avg["queued"], "window_s": max(dt, 0.0)}

@@ -125,6 +125,15 @@ class PhaseOccupancy:
             self.queued_seconds += self.queued * dt
         self._last = max(self._last, now)
 
+    def integrals(self) -> dict[str, float]:
+        """Task-seconds integrated so far per phase, and `queued` (to difference over a
+        window: its mean counts)."""
+        return {**self.seconds, "queued": self.queued_seconds}
+
+    def current(self) -> dict[str, float]:
+        """The counts now per phase, and `queued` (keys as `integrals`)."""
+        return {**{k: float(n) for k, n in self.counts.items()}, "queued": float(self.queued)}
+
     def queue(self, now: float, delta: int) -> None:
         """`delta` tasks joined (> 0) or left (< 0) the admission queue at `now`."""
         self.advance(now)
