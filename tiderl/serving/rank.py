@@ -17,8 +17,9 @@ CTB's budgets make it rare.
 A simulated engine (host data only, `tiderl.sim`) says so by having `take_cost_s()`: the device
 seconds its calls since the last read would have taken. The rank then calls it on the loop
 thread (a worker thread would cost real time, which a virtual-time loop cannot skip) and sleeps
-that long on the loop's clock before delivering the step's results, exactly where a real step's
-results arrive when its device work ends.
+that long on the loop's clock (its `wait_device`, where it has one: on a shared host the step
+also waits for the interpreter lock) before delivering the step's results, exactly where a
+real step's results arrive when its device work ends.
 
 What runs on the worker thread (`EngineWorker`), and the records the rank hands back
 (`TurnResult`, `Handoff`, `RankStats`), are in `tiderl.serving.rank_worker`.
@@ -71,6 +72,9 @@ class RolloutRank(EngineWorker):
         self._snap: dict[int, _Task] = {}
         self._take_cost = getattr(engine, "take_cost_s", None)
         """A simulated engine's cost report (see the module docstring); None for a real one."""
+        self._wait_device = getattr(engine, "wait_device", asyncio.sleep)
+        """How a simulated step waits out its cost; a simulated engine on a shared host also
+        waits for the interpreter lock and returns that wait's seconds."""
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -248,7 +252,8 @@ class RolloutRank(EngineWorker):
                     finished, replies = self._device_step(ops, ready, dict(self.tasks))
                     cost = float(self._take_cost())
                     self.stats.busy_s += cost
-                    await asyncio.sleep(cost)
+                    # A shared host's lock wait (seconds beyond the cost) is busy time too.
+                    self.stats.busy_s += await self._wait_device(cost) or 0.0
                 else:
                     # Busy time on the loop's clock, the one the scheduler reads.
                     t0 = loop.time()

@@ -31,6 +31,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,14 @@ from typing import Any
 
 from tiderl.sim.costs import PROFILES, OpCost, Profile, SimCostModel, model_shape, profile_from_dict
 from tiderl.sim.hostcost import env_call_note, host_only, write_profile
-from tiderl.sim.microbench import contention, engine_samples, env_times, sync_times, trainer_samples
+from tiderl.sim.microbench import (
+    contention,
+    engine_samples,
+    env_times,
+    sample_samples,
+    sync_times,
+    trainer_samples,
+)
 
 VALIDATION_OVERRIDES = [
     "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
@@ -87,6 +95,20 @@ def fit_op(samples: Sequence[tuple[Sequence[dict[str, float]], float]]) -> tuple
     return OpCost(c0, (("flops", rf), ("hbm", rh))), mape
 
 
+def fit_rows(samples: Sequence[tuple[int, float]], bytes_per_row: float
+             ) -> tuple[OpCost, float]:
+    """`c0 + rows * bytes_per_row / rate` fitted by least squares to (rows, seconds); the
+    rate is an `hbm` rate (bytes a row reads per second). Returns the cost and its MAPE."""
+    xs = [float(n) for n, _ in samples]
+    ys = [y for _, y in samples]
+    slope, c0 = statistics.linear_regression(xs, ys)
+    slope, c0 = max(slope, 1e-9), max(c0, 0.0)
+    cost = OpCost(c0, (("hbm", bytes_per_row / slope),))
+    mape = statistics.fmean(abs(c0 + slope * x - y) / y for x, y in zip(xs, ys, strict=True)
+                            if y > 0)
+    return cost, mape
+
+
 def fit_constant(ys: Sequence[float]) -> tuple[OpCost, float]:
     c0 = statistics.median(ys)
     return OpCost(c0), statistics.fmean(abs(y - c0) / y for y in ys)
@@ -124,6 +146,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                       repeats)
     tr["backend"].close()
     alone = env_times(cfg, repeats)
+    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats, quick)
     ops: dict[str, dict[str, float]] = {}
     report: dict[str, Any] = {"mape": {}, "noise": {}, "samples": {}}
     for group in (eng, tr):
@@ -146,11 +169,13 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                         repeats=min(repeats, 3))
     env["alone_ms"] = round(statistics.median(alone) * 1e3, 4)
     ops["env_call"] = {"c0": env["seconds"]}
+    ops["sample"] = extra["sample"]
     # No offload on the CPU (host memory is the device memory) and no separate Ref devices.
     ops.update({"swap": {"c0": 0.0}, "role_change": {"c0": 0.0}, "context_switch": {"c0": 0.0}})
     profile = {
         "name": "cpu-fitted", "kind": "fitted",
-        "engine": engine_rules, "ops": ops, "host": {"capacity": host["capacity"]},
+        "engine": engine_rules, "ops": ops,
+        "host": {"capacity": host["capacity"], "lock_wait_s": extra["lock_wait"]["seconds"]},
         "notes": {
             "fitted_by": "python -m tiderl.sim.calibrate" + (" --quick" if quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats,
@@ -161,9 +186,56 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "slowdown_trainer_beside_rollout": round(host["slowdown_trainer"], 3),
             "slowdown_rollout_beside_trainer": round(host["slowdown_rollout"], 3),
             "env_call": env,
+            "sample": extra["sample_note"],
+            "lock_wait": extra["lock_wait"],
         },
     }
     return profile, report
+
+
+def engine_host(cfg: Any, graphdef: Any, params: Any, device: Any, repeats: int,
+                quick: bool) -> dict[str, Any]:
+    """The engine's host-side costs: siblings sampled from a sibling's logits (`ops.sample`)
+    and the engine step's wait for the interpreter lock in the job (`host.lock_wait_s`,
+    `tiderl.sim.lockwait`, on the `pressure` validation job in every mode at seed 1000, which
+    `tiderl.sim.validate` does not compare)."""
+    from tiderl.sim import lockwait
+    from tiderl.sim.validate import MODES, run_config
+
+    samples = sample_samples(cfg, graphdef, params, device, repeats)
+    cost, mape = fit_rows(samples, cfg.model.vocab_size * 4.0)
+    modes = MODES[:2] if quick else MODES
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = lockwait.measure([run_config(m, 4 if quick else 8, 1000, f"{tmp}/{m}", "pressure")
+                                 for m in modes])
+    lock["measured_by"] = ("tiderl.sim.lockwait: prefill device calls in the real job vs the "
+                           "same calls replayed alone, times (1 - u) / u at the loop thread's "
+                           "CPU share u; pressure job, seed 1000, modes " + ", ".join(modes))
+    lock["date"] = time.strftime("%Y-%m-%d %H:%M")
+    return {"sample": {"c0": cost.c0, **dict(cost.rates)},
+            "sample_note": {"mape": round(mape, 4),
+                            "ms_by_siblings": {n: round(y * 1e3, 4) for n, y in samples}},
+            "lock_wait": lock}
+
+
+def engine_host_only(path: Path, *, repeats: int, quick: bool) -> dict[str, Any]:
+    """Re-measures the engine's host-side costs (`engine_host`) and rewrites them in place;
+    the other fits are kept."""
+    import yaml
+
+    from tiderl.config import load_config
+    from tiderl.runtime.build import build
+
+    cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-calibrate"])
+    devices, plan, _, graphdef, params = build(cfg)
+    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats, quick)
+    d = yaml.safe_load(path.read_text())
+    d["ops"]["sample"] = extra["sample"]
+    d.setdefault("host", {})["lock_wait_s"] = extra["lock_wait"]["seconds"]
+    notes = d.setdefault("notes", {})
+    notes["sample"], notes["lock_wait"] = extra["sample_note"], extra["lock_wait"]
+    write_profile(path, d)
+    return extra
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="a small grid, 3 repeats")
     p.add_argument("--out", default=str(PROFILES / "cpu-fitted.yaml"))
+    p.add_argument("--engine-host-only", action="store_true",
+                   help="re-measure only the engine's host-side costs (siblings' sampling, the "
+                        "wait for the interpreter lock in the job) and update --out in place")
     p.add_argument("--host-only", action="store_true",
                    help="re-measure only the host costs (the env call, no JAX) and update --out "
                         "in place")
@@ -188,6 +263,18 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(spread {env['spread']:.0%}); wrote {args.out}")
         print(json.dumps({"profile": args.out, "env_call_s": env["seconds"],
                           "spread": env["spread"]}))
+        return 0
+
+    if args.engine_host_only:
+        extra = engine_host_only(Path(args.out), repeats=args.repeats, quick=args.quick)
+        lock = extra["lock_wait"]
+        for r in lock["runs"]:
+            print(f"engine call in the job {r['in_job_ms']:.2f} ms vs alone {r['alone_ms']:.2f} "
+                  f"ms ({r['replayed']} of {r['calls']} calls), loop busy {r['u']:.0%}")
+        print(f"lock wait {lock['seconds'] * 1e3:.3f} ms per u/(1-u); siblings' sampling "
+              f"{extra['sample_note']['ms_by_siblings']} ms; wrote {args.out}")
+        print(json.dumps({"profile": args.out, "lock_wait_s": lock["seconds"],
+                          "sample": extra["sample"]}))
         return 0
 
     profile, report = calibrate(repeats=args.repeats, quick=args.quick)

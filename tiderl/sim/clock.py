@@ -42,6 +42,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._selector.select = self._jump  # type: ignore[method-assign]
         self._held = 0.0
         self._held_host: Any = None
+        self.busy_s = 0.0
+        """Seconds the clock advanced for work on the loop's own thread (held work and, with
+        `charge_cpu`, the measured callbacks): the time it held the interpreter lock."""
 
     def hold(self, seconds: float, host: Any = None) -> None:
         """Modelled host work that runs on the loop's thread (the real job's env client and
@@ -56,7 +59,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         if self._held:
             d, h = self._held, self._held_host
             self._held = 0.0
-            self.now_ticks += round((h.fixed(d) if h is not None else d) * TICKS_PER_S)
+            d = h.fixed(d) if h is not None else d
+            self.busy_s += d
+            self.now_ticks += round(d * TICKS_PER_S)
 
     def time(self) -> float:
         return self.now_ticks / TICKS_PER_S
@@ -103,6 +108,7 @@ def _patch(loop: Any, meter: CpuMeter, charge: bool, host: Any = None) -> None:
         if charge:
             if host is not None:
                 dt = host.fixed(dt)
+            loop.busy_s += int(dt / tick) * tick
             loop.now_ticks += int(dt / tick)
 
     loop._run_once = measured

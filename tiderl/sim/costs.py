@@ -200,6 +200,15 @@ class SimCostModel:
         t = sum(op(**w) for w in self.prefill_work(rows, gpus))
         return t + self.vision_prefill(image_tokens, gpus) if image_tokens else t
 
+    def sample(self, rows: int) -> float:
+        """Sampling the first token of `rows` siblings from logits a sibling computed (prefix
+        sharing: nothing is prefilled for them): one call reading each row's float32 logits.
+        A profile without `ops.sample` charges nothing for it."""
+        op = self._ops.get("sample")
+        if op is None or rows <= 0:
+            return 0.0
+        return op(hbm=rows * self.model.vocab * 4.0)
+
     def vision_prefill(self, image_tokens: int, gpus: int = 1) -> float:
         """The vision tower over the images of `image_tokens` language-model tokens, inside a
         prefill call (no call overhead of its own): its FLOPs at the prefill rate or its

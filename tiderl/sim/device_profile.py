@@ -23,7 +23,7 @@ from tiderl.configlib import ConfigError
 PROFILES = Path(__file__).with_name("profiles")
 COMPONENTS = ("flops", "hbm", "link", "pcie")
 OPS = ("prefill", "decode", "ref_forward", "actor_forward", "actor_backward", "apply", "swap",
-       "weight_sync", "role_change", "context_switch", "env_call")
+       "weight_sync", "role_change", "context_switch", "env_call", "sample")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +154,12 @@ def profile_from_dict(d: Mapping[str, Any], *, source: str = "<dict>") -> Profil
     else:
         raise ConfigError(f"sim profile {source}: kind={kind!r}; use 'roofline' or 'fitted'")
     host = {k: float(_num(v)) for k, v in (d.get("host") or {}).items()}
-    unknown = set(host) - {"capacity"}
+    unknown = set(host) - {"capacity", "lock_wait_s"}
     if unknown:
         raise ConfigError(f"sim profile {source}: host.{sorted(unknown)[0]} is unknown; use "
-                          "host.capacity (effective cores the parts share)")
+                          "host.capacity (effective cores the parts share) and "
+                          "host.lock_wait_s (an engine call's wait for the interpreter lock beside a busy "
+                          "event loop)")
     memory = {k: float(_num(v)) for k, v in (d.get("memory") or {}).items()}
     if set(memory) - {"runtime_bytes"}:
         raise ConfigError(f"sim profile {source}: memory.{sorted(set(memory))[0]} is unknown; "
@@ -193,4 +195,8 @@ def _roofline_ops(dev: Device, eff: Mapping[str, float], over: Mapping[str, floa
         "role_change": op("role_change_c0", pcie=dev.pcie_bw),
         "context_switch": op("context_switch_c0"),
         "env_call": op("env_call_c0"),
+        # Siblings sampled from a sibling's logits (prefix sharing): on these devices that
+        # rides in the step's sampling kernel, as vLLM samples every row of a step at once,
+        # so it costs its overhead only (`sample_c0`, 0 in the shipped profiles).
+        "sample": op("sample_c0"),
     }

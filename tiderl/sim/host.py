@@ -12,20 +12,32 @@ work slows down when other work runs beside it (`tiderl.sim.calibrate`).
 - `fixed(work)`: work whose duration is fixed when it starts (an engine step: the rank sleeps
   that long), at the sharing in effect then;
 - `await elastic(work)`: work that runs until done, its rate re-evaluated whenever other work
-  starts or ends (a trainer phase).
+  starts or ends (a trainer phase);
+- `await device_call(seconds)`: an engine step's wait, plus its wait for the interpreter lock
+  behind the event loop's thread when `lock_wait_s` is set (`tiderl.sim.lockwait`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
+
+LOCK_WINDOW_S = 0.1
+"""The window over which the loop's busy share is measured for lock waits."""
 
 
 class SharedHost:
-    def __init__(self, *, capacity: float = 1.0):
+    def __init__(self, *, capacity: float = 1.0, lock_wait_s: float = 0.0):
         if capacity <= 0:
             raise ValueError(f"host capacity {capacity} must be positive (effective cores)")
         self.capacity = capacity
+        self.lock_wait_s = lock_wait_s
+        """An engine step's wait for the interpreter lock per unit of `u / (1 - u)`, `u` the
+        event loop's busy share (`device_call`); 0: not modelled."""
+        self._busy_marks: collections.deque[tuple[float, float]] = collections.deque()
+        self.lock_waited_s = 0.0
+        """Seconds engine steps spent waiting for the interpreter lock."""
         self._ends: list[float] = []  # heap: end times of fixed work in flight
         self._elastic = 0
         self._changed: asyncio.Event | None = None
@@ -83,3 +95,40 @@ class SharedHost:
         finally:
             self._elastic -= 1
             self._notify()
+
+    async def device_call(self, seconds: float) -> float:
+        """A worker thread's device call of `seconds` (an engine step), then its wait for the
+        interpreter lock (`lock_wait`); returns the seconds of that wait."""
+        self.mark()
+        await asyncio.sleep(seconds)
+        return await self.lock_wait()
+
+    def mark(self) -> None:
+        """Notes the event loop's busy time now (a device call starts or ends): the record
+        `lock_wait` measures the loop's busy share over."""
+        loop = asyncio.get_running_loop()
+        busy = getattr(loop, "busy_s", None)
+        if not self.lock_wait_s or busy is None:
+            return
+        now, marks = loop.time(), self._busy_marks
+        marks.append((now, busy))
+        while len(marks) > 2 and marks[1][0] <= now - LOCK_WINDOW_S:
+            marks.popleft()
+
+    async def lock_wait(self) -> float:
+        """A worker thread's wait for the interpreter lock after a device call, when
+        `lock_wait_s` is set: the worker takes the lock back after each device operation,
+        the event loop's thread holds it while it runs Python (its held and charged work,
+        `VirtualLoop.busy_s`), so at the loop's busy share `u` since the device calls' marks
+        of the last `LOCK_WINDOW_S` the call waits `lock_wait_s * u / (1 - u)` (a queue
+        behind a server busy `u` of the time; `u` capped at 0.95)."""
+        self.mark()
+        marks = self._busy_marks
+        if len(marks) < 2:
+            return 0.0
+        (t0, b0), (now, busy) = marks[0], marks[-1]
+        u = min(0.95, (busy - b0) / (now - t0)) if now > t0 else 0.0
+        if wait := self.lock_wait_s * u / (1.0 - u):
+            self.lock_waited_s += wait
+            await asyncio.sleep(wait)
+        return wait

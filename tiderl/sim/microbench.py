@@ -7,6 +7,8 @@ timings are noisy; the spread of the repeats is returned as the noise), its work
 
 - `engine_samples`: engine `prefill_many` over (rows, new tokens, cached prefix) and
   `generate` over (rows, context);
+- `sample_samples`: siblings sampled from a sibling's logits (prefix sharing) over the number
+  of siblings;
 - `trainer_samples`: trainer Ref forward, Actor forward, Actor backward over micro-batch sizes,
   and the update;
 - `sync_times`: a weight sync (export, copy to the rollout device, `update_weights`);
@@ -110,6 +112,40 @@ def engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: Sim
             out["decode"].append(([w], med, {"rows": b, "context": ctx}))
             noise["decode"].append(spread)
     return {"samples": out, "noise": noise}
+
+
+def sample_samples(cfg: Any, graphdef: Any, params: Any, device: Any,
+                   repeats: int) -> list[tuple[int, float]]:
+    """(siblings, seconds) of sampling siblings' first tokens from the logits of the one that
+    computed: `prefill_many` of `n + 1` rows of one new prompt (GRPO siblings, `share` set:
+    one row computes, `n` follow) less the same call of one row, medians over repeats."""
+    import jax
+
+    from tiderl.serving.engine import Engine
+    from tiderl.serving.pages import PrefillRequest
+
+    eng = Engine(graphdef, jax.device_put(params, device), cfg.model, cfg.rollout, seed=0)
+    eng.init_decode_state()
+    ids, prompts = iter(range(1 << 30)), iter(range(1 << 30))
+    vocab = cfg.model.vocab_size
+
+    def group(n: int) -> None:
+        k = next(prompts)  # a new context every call: nothing is kept from an earlier one
+        toks = [3 + (k * 7 + i) % (vocab - 3) for i in range(24)]
+        reqs = [PrefillRequest(None, toks, len(toks), task_id=next(ids), share=[])
+                for _ in range(n)]
+        for h in eng.prefill_many(None, reqs):
+            eng.free(h)
+
+    out = []
+    for n in (1, 3, 7, 15):
+        if n + 1 > eng.cfg.max_slots:
+            break
+        group(1), group(n + 1)  # warm-up (compiles the buckets)
+        one = _median_time(lambda: group(1), repeats)[0]
+        many = _median_time(lambda n=n: group(n + 1), repeats)[0]
+        out.append((n, max(0.0, many - one)))
+    return out
 
 
 def _decode_keep(eng: Any) -> None:

@@ -213,7 +213,10 @@ class SimTrainer:
             await asyncio.sleep(seconds)
             return
         t0 = self.now()
+        self.host.mark()
         await self.host.elastic(seconds)
+        if seconds > 0:
+            await self.host.lock_wait()  # its worker thread takes the interpreter lock back
         self._times[phase] += self.now() - t0
 
     def now(self) -> float:

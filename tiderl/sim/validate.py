@@ -124,7 +124,10 @@ async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
                          row_len=t.row_len, host=host)
 
     async def sync_weights(weights: Any, version: int) -> None:
-        await asyncio.sleep(costs.profile.op("weight_sync")())
+        if host is not None:  # a device copy on a worker thread: it takes the lock back
+            await host.device_call(costs.profile.op("weight_sync")())
+        else:
+            await asyncio.sleep(costs.profile.op("weight_sync")())
         await asyncio.gather(*(rank.update_weights(weights, version) for rank in ranks))
 
     batcher = SimMicroBatcher(n_ranks=len(plan.actor), rank_budget=t.rows_per_rank * t.row_len,

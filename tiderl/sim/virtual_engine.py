@@ -19,6 +19,7 @@ call stop there, and the call costs the sum of its steps over the shrinking batc
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 from collections.abc import Sequence
@@ -114,6 +115,14 @@ class SimEngine:
     def take_cost_s(self) -> float:
         c, self._cost = self._cost, 0.0
         return self.host.fixed(c) if self.host is not None else c
+
+    async def wait_device(self, seconds: float) -> float:
+        """The rank's wait for a step of `seconds`; returns the seconds it waited beyond them
+        (on a shared host, for the interpreter lock: `SharedHost.device_call`)."""
+        if self.host is not None:
+            return await self.host.device_call(seconds)
+        await asyncio.sleep(seconds)
+        return 0.0
 
     def _charge(self, seconds: float) -> None:
         self._cost += seconds
@@ -251,6 +260,8 @@ class SimEngine:
         if self.costs is not None and rows:
             self._charge(self.costs.prefill([(s, e - s) for _, _, s, e, _ in rows], self.gpus,
                                             image_tokens=self._image_tokens(rows)))
+        if follow and self.costs is not None:
+            self._charge(self.costs.sample(len(follow)))
         c = self.counters
         for h, new, start, end, taken in rows:
             self._after_prefill(h, new, start, end)
