@@ -13,8 +13,10 @@ work slows down when other work runs beside it (`tiderl.sim.calibrate`).
   that long), at the sharing in effect then;
 - `await elastic(work)`: work that runs until done, its rate re-evaluated whenever other work
   starts or ends (a trainer phase);
-- `await device_call(seconds)`: an engine step's wait, plus its wait for the interpreter lock
-  behind the event loop's thread when `lock_wait_s` is set (`tiderl.sim.lockwait`).
+- `await device_call(seconds)`: a worker thread's device call (an engine step, a weight sync),
+  plus its wait for the interpreter lock behind the event loop's thread (`lock_wait`, when
+  `lock_wait_s` is set: `tiderl.sim.lockwait`); a trainer phase is `elastic` work followed by
+  `lock_wait`.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ class SharedHost:
             raise ValueError(f"host capacity {capacity} must be positive (effective cores)")
         self.capacity = capacity
         self.lock_wait_s = lock_wait_s
-        """An engine step's wait for the interpreter lock per unit of `u / (1 - u)`, `u` the
-        event loop's busy share (`device_call`); 0: not modelled."""
+        """A worker thread's device call's wait for the interpreter lock per unit of
+        `u / (1 - u)`, `u` the event loop's busy share (`lock_wait`); 0: not modelled."""
         self._busy_marks: collections.deque[tuple[float, float]] = collections.deque()
         self.lock_waited_s = 0.0
-        """Seconds engine steps spent waiting for the interpreter lock."""
+        """Seconds device calls (engine steps, trainer phases, weight syncs) spent waiting for
+        the interpreter lock."""
         self._ends: list[float] = []  # heap: end times of fixed work in flight
         self._elastic = 0
         self._changed: asyncio.Event | None = None
