@@ -223,3 +223,28 @@ def test_recorded_engine_calls_replay_alone_on_the_same_engine():
         eng.free(h)
     assert _replay(eng, calls[0][2]) > 0
     assert Engine._run.__name__ == "_run"  # restored
+
+
+def test_lock_wait_pools_each_runs_extra_times_1_minus_u_over_u():
+    from tiderl.sim.lockwait import lock_wait_s
+
+    runs = [{"u": 0.5, "extra_ms": 2.0}, {"u": 0.75, "extra_ms": 6.0},
+            {"u": 0.99, "extra_ms": 19.0}]  # u capped at 0.95 as the model caps it
+    assert lock_wait_s(runs) == pytest.approx((0.002 + 0.002 + 0.019 * 0.05 / 0.95) / 3)
+
+
+def test_a_refit_keeps_the_measured_lock_wait(tmp_path):
+    import yaml
+
+    from tiderl.sim.calibrate import keep_lock_wait
+
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({"host": {"capacity": 1.5, "lock_wait_s": 0.0026},
+                                    "notes": {"lock_wait": {"seconds": 0.0026}}}))
+    new = {"host": {"capacity": 1.7}, "notes": {}}
+    keep_lock_wait(path, new)
+    assert new["host"] == {"capacity": 1.7, "lock_wait_s": 0.0026}
+    assert new["notes"]["lock_wait"] == {"seconds": 0.0026}
+    fresh = {"host": {"capacity": 1.7}, "notes": {}}
+    keep_lock_wait(tmp_path / "none.yaml", fresh)
+    assert fresh["host"] == {"capacity": 1.7}

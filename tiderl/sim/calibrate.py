@@ -31,7 +31,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -146,7 +145,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                       repeats)
     tr["backend"].close()
     alone = env_times(cfg, repeats)
-    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats, quick)
+    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats)
     ops: dict[str, dict[str, float]] = {}
     report: dict[str, Any] = {"mape": {}, "noise": {}, "samples": {}}
     for group in (eng, tr):
@@ -175,7 +174,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     profile = {
         "name": "cpu-fitted", "kind": "fitted",
         "engine": engine_rules, "ops": ops,
-        "host": {"capacity": host["capacity"], "lock_wait_s": extra["lock_wait"]["seconds"]},
+        "host": {"capacity": host["capacity"]},
         "notes": {
             "fitted_by": "python -m tiderl.sim.calibrate" + (" --quick" if quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M"), "repeats": repeats,
@@ -187,40 +186,39 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "slowdown_rollout_beside_trainer": round(host["slowdown_rollout"], 3),
             "env_call": env,
             "sample": extra["sample_note"],
-            "lock_wait": extra["lock_wait"],
         },
     }
     return profile, report
 
 
-def engine_host(cfg: Any, graphdef: Any, params: Any, device: Any, repeats: int,
-                quick: bool) -> dict[str, Any]:
-    """The engine's host-side costs: siblings sampled from a sibling's logits (`ops.sample`)
-    and the engine step's wait for the interpreter lock in the job (`host.lock_wait_s`,
-    `tiderl.sim.lockwait`, on the `pressure` validation job in every mode at seed 1000, which
-    `tiderl.sim.validate` does not compare)."""
-    from tiderl.sim import lockwait
-    from tiderl.sim.validate import MODES, run_config
-
+def engine_host(cfg: Any, graphdef: Any, params: Any, device: Any, repeats: int
+                ) -> dict[str, Any]:
+    """The engine's siblings sampled from a sibling's logits (`ops.sample`), fitted. (Its
+    other host-side cost, the wait for the interpreter lock in the job, needs the real job:
+    `python -m tiderl.sim.validate --measure-lock-wait`.)"""
     samples = sample_samples(cfg, graphdef, params, device, repeats)
     cost, mape = fit_rows(samples, cfg.model.vocab_size * 4.0)
-    modes = MODES[:2] if quick else MODES
-    with tempfile.TemporaryDirectory() as tmp:
-        lock = lockwait.measure([run_config(m, 4 if quick else 8, 1000, f"{tmp}/{m}", "pressure")
-                                 for m in modes])
-    lock["measured_by"] = ("tiderl.sim.lockwait: prefill device calls in the real job vs the "
-                           "same calls replayed alone, times (1 - u) / u at the loop thread's "
-                           "CPU share u; pressure job, seed 1000, modes " + ", ".join(modes))
-    lock["date"] = time.strftime("%Y-%m-%d %H:%M")
     return {"sample": {"c0": cost.c0, **dict(cost.rates)},
             "sample_note": {"mape": round(mape, 4),
-                            "ms_by_siblings": {n: round(y * 1e3, 4) for n, y in samples}},
-            "lock_wait": lock}
+                            "ms_by_siblings": {n: round(y * 1e3, 4) for n, y in samples}}}
 
 
-def engine_host_only(path: Path, *, repeats: int, quick: bool) -> dict[str, Any]:
-    """Re-measures the engine's host-side costs (`engine_host`) and rewrites them in place;
-    the other fits are kept."""
+def keep_lock_wait(path: Path, profile: dict[str, Any]) -> None:
+    """A refit keeps the profile's measured lock wait (`host.lock_wait_s`, from the real job:
+    `python -m tiderl.sim.validate --measure-lock-wait`), which no micro-benchmark gives."""
+    import yaml
+
+    if not path.is_file():
+        return
+    old = yaml.safe_load(path.read_text()) or {}
+    if (w := (old.get("host") or {}).get("lock_wait_s")) is not None:
+        profile["host"]["lock_wait_s"] = w
+        profile["notes"]["lock_wait"] = (old.get("notes") or {}).get("lock_wait")
+
+
+def engine_host_only(path: Path, *, repeats: int) -> dict[str, Any]:
+    """Re-measures the siblings' sampling (`engine_host`) and rewrites it in place; the other
+    fits are kept."""
     import yaml
 
     from tiderl.config import load_config
@@ -228,12 +226,10 @@ def engine_host_only(path: Path, *, repeats: int, quick: bool) -> dict[str, Any]
 
     cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-calibrate"])
     devices, plan, _, graphdef, params = build(cfg)
-    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats, quick)
+    extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats)
     d = yaml.safe_load(path.read_text())
     d["ops"]["sample"] = extra["sample"]
-    d.setdefault("host", {})["lock_wait_s"] = extra["lock_wait"]["seconds"]
-    notes = d.setdefault("notes", {})
-    notes["sample"], notes["lock_wait"] = extra["sample_note"], extra["lock_wait"]
+    d.setdefault("notes", {})["sample"] = extra["sample_note"]
     write_profile(path, d)
     return extra
 
@@ -245,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small grid, 3 repeats")
     p.add_argument("--out", default=str(PROFILES / "cpu-fitted.yaml"))
     p.add_argument("--engine-host-only", action="store_true",
-                   help="re-measure only the engine's host-side costs (siblings' sampling, the "
-                        "wait for the interpreter lock in the job) and update --out in place")
+                   help="re-measure only the siblings' sampling from kept logits (ops.sample) "
+                        "and update --out in place")
     p.add_argument("--host-only", action="store_true",
                    help="re-measure only the host costs (the env call, no JAX) and update --out "
                         "in place")
@@ -266,15 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     if args.engine_host_only:
-        extra = engine_host_only(Path(args.out), repeats=args.repeats, quick=args.quick)
-        lock = extra["lock_wait"]
-        for r in lock["runs"]:
-            print(f"engine call in the job {r['in_job_ms']:.2f} ms vs alone {r['alone_ms']:.2f} "
-                  f"ms ({r['replayed']} of {r['calls']} calls), loop busy {r['u']:.0%}")
-        print(f"lock wait {lock['seconds'] * 1e3:.3f} ms per u/(1-u); siblings' sampling "
-              f"{extra['sample_note']['ms_by_siblings']} ms; wrote {args.out}")
-        print(json.dumps({"profile": args.out, "lock_wait_s": lock["seconds"],
-                          "sample": extra["sample"]}))
+        extra = engine_host_only(Path(args.out), repeats=args.repeats)
+        print(f"siblings' sampling {extra['sample_note']['ms_by_siblings']} ms; wrote {args.out}")
+        print(json.dumps({"profile": args.out, "sample": extra["sample"]}))
         return 0
 
     profile, report = calibrate(repeats=args.repeats, quick=args.quick)
@@ -287,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name:16s} {n!s:>7s} {report['mape'][name]:7.1%} {report['noise'][name]:7.1%}"
               f"   {spec['c0'] * 1e3:7.3f}   {spec.get('flops', 0):10.3g}   "
               f"{spec.get('hbm', 0):10.3g}")
+    keep_lock_wait(Path(args.out), profile)
     write_profile(Path(args.out), profile)
     n = profile["notes"]
     print(f"shared host: trainer work {n['slowdown_trainer_beside_rollout']:.2f}x slower beside "

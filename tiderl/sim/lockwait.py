@@ -9,18 +9,19 @@ the job (the `pressure` job on this 2-core machine: 2-3x). The model: at the loo
 `u`, a step waits `lock_wait_s * u / (1 - u)` on top of its device time (a queue behind a
 server busy `u` of the time).
 
-`measure(cfgs)` runs each job for real, records every device call of the engine's prefill
-(`Engine._run`: its inputs and its time in the job), the loop thread's CPU over the steps
-(sampled from another thread: `u`), then replays the same calls alone on the same engine:
-`lock_wait_s = mean(in job - alone) * (1 - u) / u`, pooled over the jobs. Calibration uses its
-own seed, not the seeds `tiderl.sim.validate` compares.
+`python -m tiderl.sim.validate --measure-lock-wait` (the real job runs only through the
+validator, an entry point) runs the `pressure` job for real in every mode at seed 1000 (not a
+seed it compares), recording every device call of the engine's prefill (`_recorded_calls`:
+`Engine._run`'s inputs and its time in the job) and the loop thread's CPU over the steps
+(`_LoopCpu`, sampled from another thread: `u`), then replays the same calls alone on the same
+engine (`in_job_calls`): `lock_wait_s = mean(in job - alone) * (1 - u) / u`, pooled over the
+runs (`lock_wait_s`).
 
 JAX is imported inside the functions only (the package stays JAX-free).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import statistics
 import threading
@@ -102,44 +103,23 @@ class _LoopCpu:
         return (end_c - c0) / (end_t - t0) if end_t > t0 else 0.0
 
 
-def measure_job(cfg: Any, *, max_replays: int = 400) -> dict[str, float]:
-    """One real run of `cfg`: its engine calls in the job and alone, and the loop's busy
-    share over its steps."""
-    from tiderl.control.metrics import read_metrics
-    from tiderl.runtime.job import run_job
+def lock_wait_s(runs: Sequence[dict[str, float]]) -> float:
+    """`lock_wait_s` pooled over runs of `in_job_calls`' figures: each run's mean extra per
+    call times `(1 - u) / u` (u capped at 0.95, as the model caps it), averaged."""
+    per = [r["extra_ms"] * 1e-3 * (1 - min(r["u"], 0.95)) / max(min(r["u"], 0.95), 1e-3)
+           for r in runs]
+    return statistics.fmean(per)
 
-    with _recorded_calls() as calls, _LoopCpu(threading.get_ident()) as cpu:
-        asyncio.run(run_job(cfg))
-    steps = [r for r in read_metrics(cfg.run_dir) if r.get("kind") == "step"]
-    if not steps or not calls:
-        raise RuntimeError(f"lock-wait calibration: the run in {cfg.run_dir} made no steps or "
-                           "no engine calls; check the job's config")
-    u = cpu.share(steps[-1]["wall_s"])
+
+def in_job_calls(calls: Sequence[tuple[Any, float, tuple]], u: float, *,
+                 max_replays: int = 400) -> dict[str, float]:
+    """One run's figures: its recorded engine calls (`_recorded_calls`) replayed alone on
+    the same engine against their time in the job, and the loop's busy share `u`."""
+    if not calls:
+        raise RuntimeError("lock-wait measurement: the run made no engine calls")
     sample = calls[:: max(1, len(calls) // max_replays)]
     alone = [_replay(eng, inputs) for eng, _, inputs in sample]
     in_job = [s for _, s, _ in sample]
     return {"u": u, "calls": len(calls), "replayed": len(sample),
             "in_job_ms": statistics.fmean(in_job) * 1e3, "alone_ms": statistics.fmean(alone) * 1e3,
             "extra_ms": statistics.fmean(a - b for a, b in zip(in_job, alone, strict=True)) * 1e3}
-
-
-def measure(cfgs: Sequence[Any]) -> dict[str, Any]:
-    """`lock_wait_s` pooled over real runs of `cfgs` (each after its kernels are compiled and
-    an untimed warm-up run of the same config), with each run's figures."""
-    import dataclasses
-
-    from tiderl.runtime.job import run_job
-    from tiderl.sim.validate import prime_compiles
-
-    runs = []
-    for cfg in cfgs:
-        warm = dataclasses.replace(cfg, run_dir=cfg.run_dir + "-warm", controller=dataclasses
-                                   .replace(cfg.controller, steps=2))
-        prime_compiles(warm)
-        asyncio.run(run_job(warm))
-        runs.append(measure_job(cfg))
-    per = [r["extra_ms"] * 1e-3 * (1 - min(r["u"], 0.95)) / max(min(r["u"], 0.95), 1e-3)
-           for r in runs]
-    return {"seconds": statistics.fmean(per), "runs": [{k: round(v, 4) if isinstance(v, float)
-                                                         else v for k, v in r.items()}
-                                                        for r in runs]}

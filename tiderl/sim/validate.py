@@ -262,6 +262,45 @@ def run_real(cfg: Any) -> dict[str, Any]:
             "loadavg": os.getloadavg()[0], "trace": dict(trace)}
 
 
+def measure_lock_wait(profile_path: Path, *, steps: int = 8, seed: int = 1000,
+                      job: str = "pressure", modes: Sequence[str] = MODES) -> dict[str, Any]:
+    """The engine's wait for the interpreter lock in the job (`tiderl.sim.lockwait`): each
+    mode's job run for real at `seed` (after its kernels are compiled and an untimed warm-up
+    run) with its engine calls recorded, then replayed alone; writes the pooled
+    `host.lock_wait_s` and the runs' figures (`notes.lock_wait`) into the profile."""
+    import threading
+
+    import yaml
+
+    from tiderl.sim import lockwait
+    from tiderl.sim.hostcost import write_profile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            warm = run_config(mode, 2, seed, f"{tmp}/warm-{mode}", job)
+            prime_compiles(warm)
+            run_real(warm)
+            cfg = run_config(mode, steps, seed, f"{tmp}/{mode}", job)
+            with lockwait._recorded_calls() as calls, \
+                    lockwait._LoopCpu(threading.get_ident()) as cpu:
+                r = run_real(cfg)
+            u = cpu.share(step_records(r)[-1]["wall_s"])
+            runs.append({"mode": mode, **{k: round(v, 4) if isinstance(v, float) else v
+                                          for k, v in lockwait.in_job_calls(calls, u).items()}})
+    note = {"seconds": lockwait.lock_wait_s(runs), "runs": runs,
+            "measured_by": "python -m tiderl.sim.validate --measure-lock-wait: prefill device "
+                           "calls in the real job vs the same calls replayed alone, times "
+                           f"(1 - u) / u at the loop thread's CPU share u; {job} job, seed "
+                           f"{seed}, {steps} steps, modes {', '.join(modes)}",
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    d = yaml.safe_load(profile_path.read_text())
+    d.setdefault("host", {})["lock_wait_s"] = note["seconds"]
+    d.setdefault("notes", {})["lock_wait"] = note
+    write_profile(profile_path, d)
+    return note
+
+
 def save_real(r: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps({"summary": r["summary"], "records": r["records"],
                                 "real_s": r["real_s"], "cpu_s": r.get("cpu_s"),
@@ -409,15 +448,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="keep each real run (records, summary, action trace) here as JSON; with "
                         "--reuse-real, simulate against the runs found there instead")
     p.add_argument("--reuse-real", action="store_true")
+    p.add_argument("--measure-lock-wait", action="store_true",
+                   help="measure the engine's wait for the interpreter lock in the real job "
+                        "(host.lock_wait_s; tiderl.sim.lockwait) into the profile and stop")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 4, 1
     logging.disable(logging.WARNING)
+    profile_path = PROFILES / f"{args.profile}.yaml"
     if args.calibrate:
         from tiderl.sim import calibrate
 
-        calibrate.main(["--out", str(PROFILES / f"{args.profile}.yaml")]
-                       + (["--quick"] if args.quick else []))
+        calibrate.main(["--out", str(profile_path)] + (["--quick"] if args.quick else []))
+    if args.calibrate or args.measure_lock_wait:
+        note = measure_lock_wait(profile_path, steps=4 if args.quick else 8,
+                                 modes=MODES[:2] if args.quick else MODES)
+        for r in note["runs"]:
+            print(f"{r['mode']:7s} engine call in the job {r['in_job_ms']:.2f} ms vs alone "
+                  f"{r['alone_ms']:.2f} ms ({r['replayed']} of {r['calls']} calls), loop busy "
+                  f"{r['u']:.0%}")
+        print(f"lock wait {note['seconds'] * 1e3:.3f} ms per u/(1-u); wrote {profile_path}")
+        if args.measure_lock_wait:
+            print(json.dumps({"profile": str(profile_path), "lock_wait_s": note["seconds"]}))
+            return 0
     real: dict[str, list] = {m: [] for m in MODES}
     sim: dict[str, list] = {m: [] for m in MODES}
     keep = Path(args.real_dir) if args.real_dir else None
