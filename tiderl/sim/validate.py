@@ -17,7 +17,8 @@ their per-seed goodputs do not overlap, or, paired by seed (each seed plays the 
 environment latencies in every mode), a paired t-test puts one above the other at the 5%
 level; `unresolved_pairs` names the others, `overlapping_pairs` the pairs whose ranges
 overlap).
-With `--calibrate` the profile is refitted first, under the machine's current load. The last
+With `--calibrate` the profile is refitted first, under the machine's current load, and
+the engine's lock wait in the job measured (`--measure-lock-wait` alone: `measure_lock_wait`). The last
 stdout line is one JSON object (`max_goodput_rel_error`, `same_ranking`, ...).
 
 The real run's parts share this machine's cores (engine, trainer, env server and controller):
