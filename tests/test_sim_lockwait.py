@@ -184,10 +184,10 @@ def test_fit_rows_recovers_a_line():
 
 # -- the in-situ measurement ----------------------------------------------------------------------
 def test_loop_cpu_sampler_tells_a_busy_thread_from_an_idle_one():
-    from tiderl.sim.lockwait import _LoopCpu
+    from tiderl.sim.lockwait import LoopCpu
 
     def share(busy):
-        with _LoopCpu(threading.get_ident(), every_s=0.01) as cpu:
+        with LoopCpu(threading.get_ident(), every_s=0.01) as cpu:
             t0 = time.perf_counter()
             while time.perf_counter() - t0 < 0.3:
                 if not busy:
@@ -206,7 +206,7 @@ def test_recorded_engine_calls_replay_alone_on_the_same_engine():
     from tiderl.serving.config import RolloutConfig
     from tiderl.serving.engine import Engine
     from tiderl.serving.pages import PrefillRequest
-    from tiderl.sim.lockwait import _recorded_calls, _replay
+    from tiderl.sim.lockwait import recorded_calls, replay
 
     model = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                         head_dim=8, mlp_dim=32)
@@ -215,13 +215,13 @@ def test_recorded_engine_calls_replay_alone_on_the_same_engine():
         page_size=4, num_pages=32, max_slots=4, max_context=32, max_action_tokens=2,
         decode_buckets=(4,), prefill_buckets=(8,)), seed=1)
     eng.init_decode_state()
-    with _recorded_calls() as calls:
+    with recorded_calls() as calls:
         hs = eng.prefill_many(None, [PrefillRequest(None, [5, 6, 7, 8], 4, task_id=k)
                                      for k in range(3)])
     assert len(calls) == 1 and calls[0][0] is eng and calls[0][1] > 0
     for h in hs:
         eng.free(h)
-    assert _replay(eng, calls[0][2]) > 0
+    assert replay(eng, calls[0][2]) > 0
     assert Engine._run.__name__ == "_run"  # restored
 
 

@@ -11,9 +11,9 @@ server busy `u` of the time).
 
 `python -m tiderl.sim.validate --measure-lock-wait` (the real job runs only through the
 validator, an entry point) runs the `pressure` job for real in every mode at seed 1000 (not a
-seed it compares), recording every device call of the engine's prefill (`_recorded_calls`:
+seed it compares), recording every device call of the engine's prefill (`recorded_calls`:
 `Engine._run`'s inputs and its time in the job) and the loop thread's CPU over the steps
-(`_LoopCpu`, sampled from another thread: `u`), then replays the same calls alone on the same
+(`LoopCpu`, sampled from another thread: `u`), then replays the same calls alone on the same
 engine (`in_job_calls`): `lock_wait_s = mean(in job - alone) * (1 - u) / u`, pooled over the
 runs (`lock_wait_s`).
 
@@ -31,7 +31,7 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def _recorded_calls() -> Iterator[list[tuple[Any, float, tuple]]]:
+def recorded_calls() -> Iterator[list[tuple[Any, float, tuple]]]:
     """Every prefill device call of every `Engine` while open: (engine, seconds, inputs)."""
     from tiderl.serving.engine import Engine
 
@@ -63,7 +63,7 @@ class _Row:
         self.slot, self.task_id, self.temperature = slot or 0, task_id, temperature
 
 
-def _replay(eng: Any, inputs: tuple) -> float:
+def replay(eng: Any, inputs: tuple) -> float:
     from tiderl.serving.engine import Engine
 
     fn, rows, tokens_bt, start, n_new, b, temps, delta = inputs
@@ -73,7 +73,7 @@ def _replay(eng: Any, inputs: tuple) -> float:
     return time.perf_counter() - t0
 
 
-class _LoopCpu:
+class LoopCpu:
     """Samples the CPU seconds of one thread (the event loop's) from another thread."""
 
     def __init__(self, ident: int, every_s: float = 0.05) -> None:
@@ -87,7 +87,7 @@ class _LoopCpu:
             self.samples.append((time.perf_counter(), time.clock_gettime(self.clock)))
             self._stop.wait(every_s)
 
-    def __enter__(self) -> _LoopCpu:
+    def __enter__(self) -> LoopCpu:
         self._th.start()
         return self
 
@@ -113,12 +113,12 @@ def lock_wait_s(runs: Sequence[dict[str, float]]) -> float:
 
 def in_job_calls(calls: Sequence[tuple[Any, float, tuple]], u: float, *,
                  max_replays: int = 400) -> dict[str, float]:
-    """One run's figures: its recorded engine calls (`_recorded_calls`) replayed alone on
+    """One run's figures: its recorded engine calls (`recorded_calls`) replayed alone on
     the same engine against their time in the job, and the loop's busy share `u`."""
     if not calls:
         raise RuntimeError("lock-wait measurement: the run made no engine calls")
     sample = calls[:: max(1, len(calls) // max_replays)]
-    alone = [_replay(eng, inputs) for eng, _, inputs in sample]
+    alone = [replay(eng, inputs) for eng, _, inputs in sample]
     in_job = [s for _, s, _ in sample]
     return {"u": u, "calls": len(calls), "replayed": len(sample),
             "in_job_ms": statistics.fmean(in_job) * 1e3, "alone_ms": statistics.fmean(alone) * 1e3,

@@ -283,8 +283,8 @@ def measure_lock_wait(profile_path: Path, *, steps: int = 8, seed: int = 1000,
             prime_compiles(warm)
             run_real(warm)
             cfg = run_config(mode, steps, seed, f"{tmp}/{mode}", job)
-            with lockwait._recorded_calls() as calls, \
-                    lockwait._LoopCpu(threading.get_ident()) as cpu:
+            with lockwait.recorded_calls() as calls, \
+                    lockwait.LoopCpu(threading.get_ident()) as cpu:
                 r = run_real(cfg)
             u = cpu.share(step_records(r)[-1]["wall_s"])
             runs.append({"mode": mode, **{k: round(v, 4) if isinstance(v, float) else v
