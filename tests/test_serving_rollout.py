@@ -110,6 +110,9 @@ async def test_every_task_ends_and_trajectories_are_what_the_engine_produced():
     stats = mgr.stats()
     assert stats["prompt_tokens"] > 0 and stats["cached_tokens"] > 0
     assert stats["decisions"]["admit"] == 12
+    # Every decode is one device round at least; the rounds' seconds are the engines' busy time.
+    assert stats["engine_steps"] >= sum(r.stats.decode_steps for r in mgr.ranks) > 0
+    assert stats["engine_busy_s"] == pytest.approx(sum(r.stats.busy_s for r in mgr.ranks))
 
 
 @pytest.mark.parametrize("scheduler", ["ctb", "vanilla"])

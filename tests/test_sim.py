@@ -385,6 +385,8 @@ def test_validation_compares_modes_and_ranks_them():
     res = compare(real, sim)
     assert res["same_ranking"] and res["max_goodput_rel_error"] == pytest.approx(0.1)
     assert res["modes"]["sync"]["step_time_mape"] == pytest.approx(0.1)
+    # Runs recorded before the step records carried the engines' rounds compare as nan.
+    assert math.isnan(res["modes"]["sync"]["real"]["engine_steps"])
     assert res["same_ranking_resolved"] and res["unresolved_pairs"] == []
     sim["sync"] = [run(30, 1.0)]
     assert not compare(real, sim)["same_ranking"]
@@ -427,6 +429,8 @@ def test_the_cpu_job_simulates_from_its_run_config(tmp_path):
     m = run_metrics(out)
     assert len([r for r in out["records"] if r["kind"] == "step"]) == 2
     assert m["goodput"] > 0 and 0 < m["kv_hit_rate"] < 1
+    # The simulated ranks count their device rounds as the real ones do.
+    assert m["engine_steps"] > 0 and m["engine_round_ms"] > 0
 
 
 def test_fig14_command_prints_its_json(tmp_path, capsys):

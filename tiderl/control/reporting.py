@@ -128,7 +128,8 @@ class Reporting:
             # on their environment / queued for admission.
             **{k: rs[k] for k in ("engine_busy", "tasks_executing", "tasks_ready",
                                   "tasks_waiting", "tasks_queued", "tasks_paused", "shared_tokens",
-                                  "restored_tokens", "window_cuts") if k in rs},
+                                  "restored_tokens", "window_cuts", "engine_steps",
+                                  "engine_busy_s") if k in rs},
             "reward_mean": sum(g.reward_mean for g in taken) / max(1, len(taken)),
             "groups": len(taken),
             "group_ids": [g.group_id for g in taken],

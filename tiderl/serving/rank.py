@@ -248,6 +248,7 @@ class RolloutRank(EngineWorker):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
+                self.stats.steps += 1
                 if self._take_cost is not None:  # simulated: its device time on the loop clock
                     finished, replies = self._device_step(ops, ready, dict(self.tasks))
                     cost = float(self._take_cost())

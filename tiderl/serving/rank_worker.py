@@ -92,6 +92,9 @@ class RankStats:
     migrations_in: int = 0
     busy_s: float = 0.0
     """Seconds the engine worked (its executor calls, on the event loop's clock)."""
+    steps: int = 0
+    """Device rounds: the rank loop's iterations that ran an engine step (its prefills,
+    decodes and queued ops together); `busy_s / steps` is a round's mean time."""
     shared_tokens: int = 0
     """Prompt tokens taken from a sibling's KV pages (prefix sharing) instead of computed."""
     restored_tokens: int = 0

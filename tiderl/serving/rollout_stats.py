@@ -103,6 +103,7 @@ class Measuring:
         `tasks_ready` / `tasks_waiting` (mean live tasks inside a turn, waiting for one with
         their observation in hand, and waiting on their environment) and `tasks_queued` (mean
         tasks submitted and not admitted yet) over the window since `new_window()`;
+        `engine_steps` and `engine_busy_s`: the ranks' device rounds and their seconds so far;
         `window_cuts`: contexts the sliding image window cut so far."""
         live = [r for r in self.ranks if r is not None]
         every = [r.stats for r in live] + [self.retired]
@@ -118,6 +119,8 @@ class Measuring:
             "cached_tokens": cached,
             "computed_tokens": sum(s.computed_tokens for s in every),
             "decode_tokens": sum(s.decode_tokens for s in every),
+            "engine_steps": sum(s.steps for s in every),
+            "engine_busy_s": sum(s.busy_s for s in every),
             "forced_evictions": sum(s.forced_evictions for s in every),
             "window_cuts": self.window.cuts,
             "decisions": dict(self.decisions),

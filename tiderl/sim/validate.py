@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -47,7 +48,12 @@ from tiderl.sim.clock import CpuMeter, run_virtual
 from tiderl.sim.costs import PROFILES, SimCostModel, load_profile, model_shape
 
 MODES = ("sync", "async", "stream", "tiderl")
-METRICS = ("goodput", "step_time_s", "rwt_s", "twt_s", "kv_hit_rate", "prefill_computed")
+METRICS = ("goodput", "step_time_s", "rwt_s", "twt_s", "kv_hit_rate", "prefill_computed",
+           "engine_steps", "engine_round_ms")
+"""Compared per mode; `engine_steps` (the ranks' device rounds) and `engine_round_ms` (their
+mean time on the loop's clock: the device work, its wait for the interpreter lock and, in
+the real job, the loop's delay in taking the result) are missing (nan) from runs recorded
+before the step records carried them."""
 
 
 JOBS: dict[str, list[str]] = {
@@ -326,10 +332,19 @@ def run_metrics(out: dict[str, Any]) -> dict[str, float]:
     if not steps:
         return dict.fromkeys(METRICS, float("nan"))
     last = steps[-1]
+    n, busy = last.get("engine_steps"), last.get("engine_busy_s")
     return {"goodput": last["goodput"],
+            "engine_steps": float(n) if n is not None else float("nan"),
+            "engine_round_ms": 1e3 * busy / n if n and busy is not None else float("nan"),
             "step_time_s": statistics.fmean(r["step_time_s"] for r in steps),
             "rwt_s": sum(r["rwt_s"] for r in steps), "twt_s": sum(r["twt_s"] for r in steps),
             "kv_hit_rate": last["kv_hit_rate"], "prefill_computed": last["prefill_computed"]}
+
+
+def _median(xs: Any) -> float:
+    """The median of the values that are not nan (nan if none is)."""
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else float("nan")
 
 
 def rel_err(sim: float, real: float) -> float:
@@ -363,8 +378,7 @@ def compare(real: dict[str, list], sim: dict[str, list]) -> dict[str, Any]:
     for mode in real:
         rm = [run_metrics(o) for o in real[mode]]
         sm = [run_metrics(o) for o in sim[mode]]
-        med = {k: (statistics.median(m[k] for m in rm), statistics.median(m[k] for m in sm))
-               for k in METRICS}
+        med = {k: (_median(m[k] for m in rm), _median(m[k] for m in sm)) for k in METRICS}
         errs = []
         for ro, so in zip(real[mode], sim[mode], strict=True):
             rs, ss = step_records(ro), step_records(so)
@@ -510,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         keep = ("step", "wall_s", "step_time_s", "rwt_s", "twt_s", "goodput", "kv_hit_rate",
                 "prefill_computed", "consumed_tokens", "generated_tokens", "step_time",
                 "time_ref", "time_actor_fwd", "time_actor_bwd", "time_apply", "time_wait",
-                "sync_s", "engine_busy", "tasks_executing", "tasks_waiting")
+                "sync_s", "engine_busy", "engine_steps", "engine_busy_s", "tasks_executing",
+                "tasks_waiting")
         res["steps"] = {side: {m: [[{k: r.get(k) for k in keep} for r in step_records(o)]
                                    for o in runs[m]] for m in MODES}
                         for side, runs in (("real", real), ("sim", sim))}
