@@ -539,6 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             **{f"goodput_rel_error_{m}": v["rel_error"]["goodput"]
                for m, v in res["modes"].items()},
             **{f"step_time_mape_{m}": v["step_time_mape"] for m, v in res["modes"].items()},
+            # The engines' device rounds, simulated over real (medians over seeds).
+            **{f"engine_steps_sim_over_real_{m}": v["sim"]["engine_steps"]
+               / v["real"]["engine_steps"] for m, v in res["modes"].items()
+               if v["real"]["engine_steps"] > 0},
             "steps": args.steps, "seeds": args.seeds, "profile": args.profile, "job": args.job}
     print(json.dumps(head, default=float))
     return 0
