@@ -9,8 +9,9 @@ compilation is not modelled). Simulated runs build the same controller, schedule
 buffer and micro-batch planner from the same `RunConfig`, over `SimEngine`, `SimTrainer` and
 the default task's adapter with the server's injected latencies (same seeds, same delays).
 
-Compared per mode (medians over seeds): goodput, mean step time, RWT, TWT, KV hit rate and
-prefill tokens computed (which include recomputation), and per step the step time's error.
+Compared per mode (medians over seeds): goodput, mean step time, RWT, TWT, KV hit rate,
+prefill tokens computed (which include recomputation) and the engines' device rounds and
+their mean time, and per step the step time's error.
 Acceptance: simulated goodput within 15% of real for every mode, and the same ranking of modes
 (`same_ranking`; `same_ranking_resolved` checks only the pairs of modes the real runs order:
 their per-seed goodputs do not overlap, or, paired by seed (each seed plays the same tasks and
