@@ -246,25 +246,32 @@ def _layout(cfg: SimConfig, costs: SimCostModel, trainer: SimTrainer, batcher: A
         join_cost_s=costs.weight_sync(cross_node=False, gpus_per_rank=cfg.gpus_per_rank))
 
 
-def _manager(wl: dict[str, Any], ranks: list, sched: Any, env: Any, tmpl: Any,
-             max_turns: int) -> RolloutManager:
-    """The rollout loop: with the sliding image window where the workload has one (one
-    window per job: a mix of windowed workloads must agree on it)."""
+def _image_window(wl: dict[str, Any]) -> tuple[int, int] | None:
+    """The job's sliding image window (window, keep), None without one: a mix of windowed
+    workloads must agree on it (checked before any rank starts)."""
     windows = {(w.image_window, w.image_keep) for w in wl.values() if w.image_window}
     if not windows:
-        return RolloutManager(ranks, sched, env, tmpl, max_turns=max_turns)
+        return None
     if len(windows) > 1 or any(w.image_tokens and not w.image_window for w in wl.values()):
         raise ConfigError(f"sim workloads {sorted(wl)} mix image windows {sorted(windows)}; "
                           "simulate workloads of one window together")
-    (window, keep), = windows
-    return WindowedRollout(ranks, sched, env, tmpl, max_turns=max_turns, window=window,
-                           keep=keep, image_token=ord(IMAGE))
+    return next(iter(windows))
+
+
+def _manager(window: tuple[int, int] | None, ranks: list, sched: Any, env: Any, tmpl: Any,
+             max_turns: int) -> RolloutManager:
+    """The rollout loop: with the sliding image window where the workload has one."""
+    if window is None:
+        return RolloutManager(ranks, sched, env, tmpl, max_turns=max_turns)
+    return WindowedRollout(ranks, sched, env, tmpl, max_turns=max_turns, window=window[0],
+                           keep=window[1], image_token=ord(IMAGE))
 
 
 async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     costs = build_costs(cfg)
     wl = {w: dataclasses.replace(workload(w), drift_steps=cfg.drift_steps)
           for w in cfg.workloads}
+    window = _image_window(wl)
     max_context = max(w.max_context for w in wl.values())
     max_turns = max(w.max_turns for w in wl.values())
     sampler = Sampler(wl, seed=cfg.seed)
@@ -330,11 +337,9 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
                                  group_size=cfg.group_size))
     evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
                       group_size=cfg.eval_group_size)
-    manager = _manager(wl, ranks, sched, env, tmpl, max_turns)
+    manager = _manager(window, ranks, sched, env, tmpl, max_turns)
     metrics = MetricsSink(run_dir, console=False)
-    log, t_real = metrics.log, time.perf_counter()
-
-    c_real = time.process_time()
+    log, t_real, c_real = metrics.log, time.perf_counter(), time.process_time()
 
     def stamped(record: dict[str, Any]) -> None:  # real and CPU seconds since the start
         log({**record, "real_s": time.perf_counter() - t_real,
