@@ -121,12 +121,23 @@ def test_groups_dropped_in_a_row_warn_then_stop_the_run_with_a_checkpoint(monkey
 
 def test_seconds_without_a_trainable_group_warn_then_stop(monkeypatch, tmp_path, caplog):
     """An env so slow that no group ends: the count never moves, the clock does."""
+    from tiderl.serving.rank import RolloutRank
+
+    closed = []
+    close = RolloutRank.close
+
+    async def recorded(rank):
+        closed.append(rank.rank_id)
+        await close(rank)
+
+    monkeypatch.setattr(RolloutRank, "close", recorded)
     cfg = ControllerConfig(steps=5, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
                            console=False, checkpoint_every=0, warn_starved_s=30.0,
                            max_starved_s=100.0)
     with pytest.raises(StarvedStop, match=r"no group became trainable in 100s \(controller"
                                           r"\.max_starved_s=100; dropped so far: none"):
         simulate(cfg, monkeypatch, run_dir=str(tmp_path), env=SimGuessEnv(step_s=1000.0))
+    assert sorted(closed) == [0, 1]  # the stopped run leaves no rank running
     warned = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
     assert [int(m.split("has waited ")[1].split("s")[0]) for m in warned] == [30, 60]
     assert "groups in flight" in warned[0] and "env latency" in warned[0]

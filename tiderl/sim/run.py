@@ -80,10 +80,12 @@ async def simulate(cfg: ControllerConfig, *, ranks: int = 2, group_size: int = 4
             buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
                                    max_staleness=cfg.max_staleness,
                                    min_ok_per_group=cfg.min_ok_per_group, zero_var=zero_var))
-        summary = await controller.run()
+        try:
+            summary = await controller.run()
+        finally:  # a run that stops with an error (StarvedStop, ...) leaves no rank running
+            for r in rank_objs:
+                await r.close()
         records = metrics.records
-    for r in rank_objs:
-        await r.close()
     return {"summary": summary, "records": records, "trainer_steps": len(trainer.steps),
             "env_pauses": env.pauses, "controller": controller}
 
