@@ -5,6 +5,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Many tests compile the same kernels (the tiny default model's engine and trainer steps), and
 # the entry-point tests do so again in subprocesses: a session-wide cache compiles each once.
@@ -71,3 +73,23 @@ _LONG_FILES = {
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -_LONG_FILES.get(item.path.name, 0))  # stable: in-file order kept
+
+
+@pytest.fixture
+def rank_calls(monkeypatch):
+    """`rank_calls(name)`: a list of the ids of the `RolloutRank`s whose async method `name`
+    is called from then on in the test."""
+    from tiderl.serving.rank import RolloutRank
+
+    def track(name: str) -> list[int]:
+        seen: list[int] = []
+        method = getattr(RolloutRank, name)
+
+        async def recorded(rank, *args, **kwargs):
+            seen.append(rank.rank_id)
+            return await method(rank, *args, **kwargs)
+
+        monkeypatch.setattr(RolloutRank, name, recorded)
+        return seen
+
+    return track

@@ -119,18 +119,10 @@ def test_groups_dropped_in_a_row_warn_then_stop_the_run_with_a_checkpoint(monkey
     assert "now 12" in warned[0] and "zero_var_groups=keep" in warned[0]
 
 
-def test_seconds_without_a_trainable_group_warn_then_stop(monkeypatch, tmp_path, caplog):
+def test_seconds_without_a_trainable_group_warn_then_stop(monkeypatch, tmp_path, caplog,
+                                                          rank_calls):
     """An env so slow that no group ends: the count never moves, the clock does."""
-    from tiderl.serving.rank import RolloutRank
-
-    closed = []
-    close = RolloutRank.close
-
-    async def recorded(rank):
-        closed.append(rank.rank_id)
-        await close(rank)
-
-    monkeypatch.setattr(RolloutRank, "close", recorded)
+    closed = rank_calls("close")
     cfg = ControllerConfig(steps=5, groups_per_step=2, groups_per_microbatch=1, eval_every=0,
                            console=False, checkpoint_every=0, warn_starved_s=30.0,
                            max_starved_s=100.0)

@@ -260,19 +260,11 @@ def test_the_workload_flag_refuses_bad_input(capsys):
     assert "--workload applies to fig8 and table2, not fig4" in err
 
 
-def test_gui_windows_must_agree_in_one_job(monkeypatch):
+def test_gui_windows_must_agree_in_one_job(rank_calls):
     from tiderl.configlib import ConfigError
-    from tiderl.serving.rank import RolloutRank
     from tiderl.sim.cluster import SimConfig, simulate_job
 
-    started = []
-    start = RolloutRank.start
-
-    async def recorded(rank):
-        started.append(rank.rank_id)
-        await start(rank)
-
-    monkeypatch.setattr(RolloutRank, "start", recorded)
+    started = rank_calls("start")
     with pytest.raises(ConfigError, match="mix image windows"):
         simulate_job(SimConfig(workloads=("osworld", "scienceboard"), steps=1, gpus=2))
     assert started == []  # refused before any rank started (none is left running)
