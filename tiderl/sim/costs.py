@@ -392,6 +392,19 @@ class SimCostModel:
         op = self._ops.get("env_call")
         return op() if op is not None else 0.0
 
+    def env_served(self) -> tuple[float, float]:
+        """An env call's host work when the env is served by a process of its own: (the
+        client's, on the job's event loop; the server's, on its own thread), the profile's
+        `env_client` and `env_server` (`tiderl.sim.hostcost.env_served_cpu_s`)."""
+        missing = [k for k in ("env_client", "env_server") if k not in self._ops]
+        if missing:
+            raise ConfigError(
+                f"sim profile {self.profile.name!r} has no {' or '.join(missing)} cost, which a "
+                "job with its env served by another process needs; measure them with `python -m "
+                "tiderl.sim.calibrate --host-only` (or add ops.env_client and ops.env_server, "
+                "CPU seconds per call, to the profile)")
+        return self._ops["env_client"](), self._ops["env_server"]()
+
     def context_switch(self) -> float:
         """Fixed cost of one Ref/Actor alternation on shared devices, besides any swap."""
         return self._ops["context_switch"]()

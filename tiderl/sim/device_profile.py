@@ -23,7 +23,8 @@ from tiderl.configlib import ConfigError
 PROFILES = Path(__file__).with_name("profiles")
 COMPONENTS = ("flops", "hbm", "link", "pcie")
 OPS = ("prefill", "decode", "ref_forward", "actor_forward", "actor_backward", "apply", "swap",
-       "weight_sync", "role_change", "context_switch", "env_call", "sample")
+       "weight_sync", "role_change", "context_switch", "env_call", "env_client", "env_server",
+       "sample")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,19 +95,22 @@ class SimSuiteEnv:
     the server's injected latency (`tiderl.envs.latency`, same seeds: the same delays per task
     and turn as the real server) and its turn cap, plus `overhead_s` of host work per call (the
     event loop's CPU time the real client and server spend on it, from the profile's
-    `env_call`, measured by `tiderl.sim.hostcost`).
+    `env_call`, measured by `tiderl.sim.hostcost`). With `server_s`, the server runs in a
+    process of its own: `overhead_s` is the client's share alone (`env_client`) and each call
+    also takes `server_s` of the server's one thread (`env_server`): on the shared host, one
+    call at a time, but not on the job's event loop.
 
     `trace` ({(task id, turn): action text}, recorded from a real run) replays the real
     policy's actions: the simulated engine only decides how many tokens an action has, so
     with a trace the simulated episodes play exactly the real ones (same turns, rewards and
     dropped groups); tasks the trace lacks play the engine's own actions."""
 
-    def __init__(self, cfg: Any, *, overhead_s: float = 0.0,
+    def __init__(self, cfg: Any, *, overhead_s: float = 0.0, server_s: float = 0.0,
                  trace: dict[tuple[str, int], str] | None = None, host: Any = None):
         from tiderl.envs.latency import LatencyModel
         from tiderl.envs.suites import adapter_class
 
-        self.cfg, self.overhead_s, self.host = cfg, overhead_s, host
+        self.cfg, self.overhead_s, self.server_s, self.host = cfg, overhead_s, server_s, host
         self._make = adapter_class(cfg.suite_name)
         self._options = cfg.option_dict()
         self._latency = LatencyModel(cfg.latency)
@@ -117,6 +120,7 @@ class SimSuiteEnv:
         self.pauses = 0
         self._n = 0
         self._loop = asyncio.Lock()  # the event loop the real job serves the suite on
+        self._server = asyncio.Lock()  # the served env's own thread (with `server_s`)
 
     async def _overhead(self) -> None:
         """The call's host work (`overhead_s`): on a `VirtualLoop`, held on the loop (the real
@@ -133,8 +137,17 @@ class SimSuiteEnv:
         async with self._loop:
             await asyncio.sleep(h.fixed(self.overhead_s) if h is not None else self.overhead_s)
 
-    async def start(self, task: dict) -> StartResult:
+    async def _call(self) -> None:
+        """A call's host work: the client's (and an in-process server's) on the job's loop,
+        then a served env's on its own thread."""
         await self._overhead()
+        if self.server_s:
+            h = self.host
+            async with self._server:
+                await asyncio.sleep(h.fixed(self.server_s) if h is not None else self.server_s)
+
+    async def start(self, task: dict) -> StartResult:
+        await self._call()
         adapter = self._make(self._options)
         tid = str(task.get("task_id"))
         delay = self._latency.sample(tid, 0)
@@ -147,7 +160,7 @@ class SimSuiteEnv:
         return StartResult(session=sid, observation=str(obs))
 
     async def step(self, session: str, action: str) -> StepResult:
-        await self._overhead()
+        await self._call()
         s = self.sessions[session]
         adapter, tid, turn = s
         delay = self._latency.sample(tid, turn + 1)
@@ -165,16 +178,16 @@ class SimSuiteEnv:
                           truncated="turn_limit" if done and not st.done else "")
 
     async def end(self, session: str) -> EndResult:
-        await self._overhead()
+        await self._call()
         adapter = self.sessions.pop(session)[0]
         reward, info = adapter.close()
         return EndResult(reward=float(reward), info=info)
 
     async def pause(self, session: str) -> OpResult:
-        await self._overhead()
+        await self._call()
         self.pauses += 1
         return OpResult()
 
     async def resume(self, session: str) -> OpResult:
-        await self._overhead()
+        await self._call()
         return OpResult()

@@ -125,6 +125,36 @@ def env_call_cpu_s(cfg: Any, costs: Any = None, *, groups: int = 16,
             "spread": (q[-1] - q[0]) / med if med else float("nan"), "samples": per_call}
 
 
+def env_served_cpu_s(cfg: Any, costs: Any = None, *, groups: int = 16,
+                     repeats: int = 3) -> dict[str, Any]:
+    """The same groups played with the env served by a process of its own
+    (`tiderl.sim.served`), as a deployed environment runs: per HTTP call, the loop thread's CPU
+    (HTTP minus in-process, as `env_call_cpu_s`: the client's share, `client_s`) and the
+    server process's CPU from when it was ready (`server_s`); medians over `repeats`, each
+    with a server of its own (an untimed pair first)."""
+    from tiderl.sim.served import ServedEnv
+
+    if groups < 1 or repeats < 1:
+        raise ValueError(f"env_served_cpu_s: groups={groups} and repeats={repeats} must be >= 1")
+    cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, url=""))
+    overrides = [f"latency.{f.name}={getattr(cfg.env.latency, f.name)}"
+                 for f in dataclasses.fields(cfg.env.latency)]
+    client, server = [], []
+    for k in range(repeats + 1):
+        first = k * groups
+        with ServedEnv(overrides) as srv:
+            served = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, url=srv.url))
+            http, n, _ = asyncio.run(play(served, http=True, groups=groups, first=first,
+                                          costs=costs))
+        direct, _, _ = asyncio.run(play(cfg, http=False, groups=groups, first=first,
+                                        costs=costs))
+        if k and n:
+            client.append((http - direct) / n)
+            server.append(srv.cpu_s / n)
+    return {"client_s": statistics.median(client), "server_s": statistics.median(server),
+            "client_samples": client, "server_samples": server}
+
+
 def env_call_note(cfg: Any, ops: dict[str, dict[str, float]], engine_rules: dict[str, Any], *,
                   groups: int, repeats: int) -> dict[str, Any]:
     """Measures the env call's host work in situ (`tiderl.sim.hostcost.env_call_cpu_s`), the
@@ -160,8 +190,33 @@ def host_only(path: Path, cfg: Any, *, groups: int, repeats: int) -> dict[str, A
         env["alone_ms"] = round(float(d["ops"]["env_call"]["c0"]) * 1e3, 4)
     d["ops"]["env_call"] = {"c0": env["seconds"]}
     notes["env_call"] = env
+    served = env_served_note(cfg, ops, d["engine"], groups=groups, repeats=repeats)
+    d["ops"]["env_client"] = {"c0": served["client_s"]}
+    d["ops"]["env_server"] = {"c0": served["server_s"]}
+    notes["env_served"] = served
     write_profile(path, d)
+    env["served"] = served
     return env
+
+
+def env_served_note(cfg: Any, ops: dict[str, dict[str, float]], engine_rules: dict[str, Any],
+                    *, groups: int, repeats: int) -> dict[str, Any]:
+    """`env_served_cpu_s` over the simulated engine paced by the fitted `ops`; the profile's
+    note on it (`ops.env_client`, `ops.env_server`)."""
+    from tiderl.sim.costs import SimCostModel, model_shape, profile_from_dict
+
+    costs = SimCostModel(profile_from_dict({"kind": "fitted", "engine": engine_rules,
+                                            "ops": ops}), model_shape("tiny"))
+    load = os.getloadavg()[0]
+    m = env_served_cpu_s(cfg, costs, groups=groups, repeats=repeats)
+    return {"client_s": m["client_s"], "server_s": m["server_s"],
+            "measured_by": "tiderl.sim.hostcost.env_served_cpu_s: the env served by a process "
+                           "of its own; per HTTP call the loop thread's CPU (HTTP minus "
+                           "in-process) and the server process's CPU, medians of repeats",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": round(load, 2),
+            "groups": groups,
+            "client_ms": [round(x * 1e3, 4) for x in m["client_samples"]],
+            "server_ms": [round(x * 1e3, 4) for x in m["server_samples"]]}
 
 
 def write_profile(path: Path, profile: dict[str, Any]) -> None:
@@ -170,5 +225,7 @@ def write_profile(path: Path, profile: dict[str, Any]) -> None:
     path.write_text(
         "# Fitted by `python -m tiderl.sim.calibrate` on this machine (see notes); rerun to\n"
         "# refit. Costs: c0 + max(flops / flops_rate, bytes / hbm_rate), seconds. env_call:\n"
-        "# the event loop's CPU seconds per env call over HTTP, in situ (notes.env_call).\n"
+        "# the event loop's CPU seconds per env call over HTTP, in situ (notes.env_call);\n"
+        "# env_client/env_server: the same with the env served by a process of its own,\n"
+        "# the client's loop CPU and the server's CPU per call (notes.env_served).\n"
         + yaml.safe_dump(profile, sort_keys=False))

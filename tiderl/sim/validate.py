@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -57,20 +59,38 @@ the real job, the loop's delay in taking the result) are missing (nan) from runs
 before the step records carried them."""
 
 
-JOBS: dict[str, list[str]] = {
-    "default": [],
-    # Where the modes differ: the KV pool holds 96 pages of 16 tokens (1,536 tokens) against
-    # 64 tasks of up to 128 tokens in flight (two steps of 8 groups of 8 under the staleness
-    # bound), so the request-level scheduler evicts and recomputes where CTB pauses and
-    # parks; 8 groups a step in micro-batches of one group, so several micro-batches are
-    # ready at once (tiderl's trainer aggregates them, stream's alternates per micro-batch);
-    # and environment latency at a tenth of the default's scale (2 ms), so the engine, not
-    # the environment, sets the pace (engines busy 72-84% simulated; at the default scale
-    # stream and tiderl simulated within the seeds' spread).
-    "pressure": ["controller.groups_per_step=8", "controller.groups_per_microbatch=1",
-                 "rollout.num_pages=96", "env.latency.scale_s=0.002"],
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A validation job: overrides on top of `VALIDATION_OVERRIDES`, and where its env server
+    runs."""
+
+    overrides: tuple[str, ...] = ()
+    served: bool = False
+    """The env server in a process of its own (`tiderl.sim.served`), as a deployed environment
+    runs, instead of on the job's event loop; the simulator then charges the loop only the
+    client's half of each call and the server's half to the host (`tiderl.sim.envs`)."""
+
+
+# Where the modes differ: the KV pool holds 96 pages of 16 tokens (1,536 tokens) against 64
+# tasks of up to 128 tokens in flight (two steps of 8 groups of 8 under the staleness bound),
+# so the request-level scheduler evicts and recomputes where CTB pauses and parks; 8 groups a
+# step in micro-batches of one group, so several micro-batches are ready at once (tiderl's
+# trainer aggregates them, stream's alternates per micro-batch); and environment latency at a
+# tenth of the default's scale (2 ms), so the engine, not the environment, sets the pace
+# (engines busy 72-84% simulated; at the default scale stream and tiderl simulated within the
+# seeds' spread).
+_PRESSURE = ("controller.groups_per_step=8", "controller.groups_per_microbatch=1",
+             "rollout.num_pages=96", "env.latency.scale_s=0.002")
+JOBS: dict[str, Job] = {
+    "default": Job(),
+    "pressure": Job(_PRESSURE),
+    # The pressure job with its env served by another process: the job's one interpreter no
+    # longer runs the server's half of every env call (in the pressure job it is ~half of the
+    # loop's ~1 ms per call, thousands of calls a run), so the modes' differences come from
+    # scheduling more than from that interpreter's contention.
+    "served": Job(_PRESSURE, served=True),
 }
-"""Validation jobs (`--job`): overrides on top of `VALIDATION_OVERRIDES`."""
+"""Validation jobs (`--job`)."""
 
 
 def run_config(mode: str, steps: int, seed: int, run_dir: str, job: str = "default") -> Any:
@@ -78,15 +98,27 @@ def run_config(mode: str, steps: int, seed: int, run_dir: str, job: str = "defau
 
     if job not in JOBS:
         raise ValueError(f"validation job {job!r} is unknown; use one of {', '.join(JOBS)}")
-    return load_config(None, [*VALIDATION_OVERRIDES, *JOBS[job], f"controller.mode={mode}",
+    return load_config(None, [*VALIDATION_OVERRIDES, *JOBS[job].overrides,
+                              f"controller.mode={mode}",
                               f"controller.steps={steps}", f"seed={seed}",
                               f"env.latency.seed={seed}", f"run_dir={run_dir}",
                               "controller.time_limit_s=0"])
 
 
+def server_overrides(seed: int, job: str) -> list[str] | None:
+    """The env server's own overrides (its `EnvConfig`'s: latency and seed) when `job` serves
+    its env in another process; None when the job serves it in-process."""
+    if not JOBS[job].served:
+        return None
+    return [o.removeprefix("env.") for o in (*VALIDATION_OVERRIDES, *JOBS[job].overrides,
+                                             f"env.latency.seed={seed}")
+            if o.startswith("env.")]
+
+
 # -- the simulated twin of tiderl.runtime.job.run_job -------------------------------------------------
 async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
-                    trace: dict[tuple[str, int], str] | None = None) -> dict[str, Any]:
+                    trace: dict[tuple[str, int], str] | None = None,
+                    served: bool = False) -> dict[str, Any]:
     from tiderl.control.buffer import ReadinessBuffer
     from tiderl.control.controller import Controller, Hooks
     from tiderl.control.metrics import MetricsSink
@@ -141,7 +173,8 @@ async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
     batcher = SimMicroBatcher(n_ranks=len(plan.actor), rank_budget=t.rows_per_rank * t.row_len,
                               order="colocated" if colocated else "decoupled",
                               balance=t.balance)
-    env = SimSuiteEnv(cfg.env, overhead_s=costs.env_call(), trace=trace, host=host)
+    client_s, server_s = costs.env_served() if served else (costs.env_call(), 0.0)
+    env = SimSuiteEnv(cfg.env, overhead_s=client_s, server_s=server_s, trace=trace, host=host)
     eval_src = TaskSource.from_config(cfg.env, "eval")
     manager = RolloutManager(ranks, sched, env, template, max_turns=cfg.env.max_turns,
                              eval_temperature=c.eval_temperature)
@@ -171,45 +204,18 @@ async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
 
 def simulate(cfg: Any, profile: str = "cpu-fitted",
              trace: dict[tuple[str, int], str] | None = None, *,
-             charge_cpu: bool = True) -> dict[str, Any]:
+             charge_cpu: bool = True, served: bool = False) -> dict[str, Any]:
     """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
-    to the virtual clock, as the real run's event loop spends it."""
+    to the virtual clock, as the real run's event loop spends it; `served`: the env served by
+    another process, as `run_real(cfg, served=...)` serves it."""
     costs = SimCostModel(load_profile(profile), model_shape("tiny"))
     meter = CpuMeter(clock=time.thread_time)  # this process's CPU, not the machine's load
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_virtual(_simulate(cfg, costs, tmp, trace), meter=meter,
+        out = run_virtual(_simulate(cfg, costs, tmp, trace, served), meter=meter,
                           charge_cpu=charge_cpu)
     out["cpu_s"] = meter.cpu_s
     return out
-
-
-class _ActionRecorder:
-    """Records the real policy's actions as the env server's adapter receives them (the
-    default task's adapter runs in-process): {(task id, turn): action text}."""
-
-    def __init__(self) -> None:
-        from tiderl.envs.adapters.default import GuessNumber
-
-        self.cls, self.trace = GuessNumber, {}
-        self._reset, self._step = GuessNumber.reset, GuessNumber.step
-
-    def __enter__(self) -> dict[tuple[str, int], str]:
-        rec, reset, step = self.trace, self._reset, self._step
-
-        def traced_reset(adapter, task):
-            adapter._trace_id = str(task.get("task_id"))
-            return reset(adapter, task)
-
-        def traced_step(adapter, action):
-            rec[(getattr(adapter, "_trace_id", ""), adapter.used)] = action
-            return step(adapter, action)
-
-        self.cls.reset, self.cls.step = traced_reset, traced_step
-        return rec
-
-    def __exit__(self, *exc: object) -> None:
-        self.cls.reset, self.cls.step = self._reset, self._step
 
 
 def prime_compiles(cfg: Any) -> int:
@@ -253,21 +259,32 @@ def prime_compiles(cfg: Any) -> int:
     return n
 
 
-def run_real(cfg: Any) -> dict[str, Any]:
+def run_real(cfg: Any, served: list[str] | None = None) -> dict[str, Any]:
+    """The job `cfg` run for real, its policy's actions recorded; with `served` (the server's
+    overrides, `server_overrides`) its env served by another process (`tiderl.sim.served`),
+    whose CPU seconds come back as `server_cpu_s`."""
     from tiderl.control.metrics import read_metrics
     from tiderl.runtime.job import run_job
+    from tiderl.sim.served import ActionRecorder, ServedEnv
 
     if cfg.env.suite_name != "default" or cfg.env.kind != "env":
         raise ValueError(f"validation records the default task's actions; env.suite="
                          f"{cfg.env.suite!r} is not supported here")
-    t0, c0 = time.perf_counter(), time.process_time()
-    with _ActionRecorder() as trace:
+    server = ServedEnv(served) if served is not None else None
+    with ActionRecorder() as trace, server or contextlib.nullcontext():
+        if server is not None:
+            cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, url=server.url))
+        t0, c0 = time.perf_counter(), time.process_time()
         summary = asyncio.run(run_job(cfg))
+        real_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     # The machine may be shared: the CPU this run got and the load beside it say how far the
     # simulator's host model (calibrated effective cores) applies to it.
-    return {"summary": summary, "records": read_metrics(cfg.run_dir),
-            "real_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-            "loadavg": os.getloadavg()[0], "trace": dict(trace)}
+    out = {"summary": summary, "records": read_metrics(cfg.run_dir), "real_s": real_s,
+           "cpu_s": cpu_s, "loadavg": os.getloadavg()[0],
+           "trace": dict(server.trace if server is not None else trace)}
+    if server is not None:
+        out["server_cpu_s"] = server.cpu_s
+    return out
 
 
 def measure_lock_wait(profile_path: Path, *, steps: int = 8, seed: int = 1000,
@@ -288,11 +305,11 @@ def measure_lock_wait(profile_path: Path, *, steps: int = 8, seed: int = 1000,
         for mode in modes:
             warm = run_config(mode, 2, seed, f"{tmp}/warm-{mode}", job)
             prime_compiles(warm)
-            run_real(warm)
+            run_real(warm, server_overrides(seed, job))
             cfg = run_config(mode, steps, seed, f"{tmp}/{mode}", job)
             with lockwait.recorded_calls() as calls, \
                     lockwait.LoopCpu(threading.get_ident()) as cpu:
-                r = run_real(cfg)
+                r = run_real(cfg, server_overrides(seed, job))
             u = cpu.share(step_records(r)[-1]["wall_s"])
             runs.append({"mode": mode, **{k: round(v, 4) if isinstance(v, float) else v
                                           for k, v in lockwait.in_job_calls(calls, u).items()}})
@@ -313,6 +330,7 @@ def save_real(r: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps({"summary": r["summary"], "records": r["records"],
                                 "real_s": r["real_s"], "cpu_s": r.get("cpu_s"),
                                 "loadavg": r.get("loadavg"),
+                                "server_cpu_s": r.get("server_cpu_s"),
                                 "trace": [[t, k, a] for (t, k), a in r["trace"].items()]},
                                default=str))
 
@@ -458,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="4 steps, 1 seed (a smoke run)")
     p.add_argument("--job", default="default", choices=sorted(JOBS),
                    help="the validated job: 'default' (the embedded task), 'pressure' (KV "
-                        "pressure and several ready micro-batches a step: the modes differ)")
+                        "pressure and several ready micro-batches a step: the modes differ), "
+                        "'served' (the pressure job with its env server in its own process)")
     p.add_argument("--out", default="", help="write the full comparison as JSON here")
     p.add_argument("--real-dir", default="",
                    help="keep each real run (records, summary, action trace) here as JSON; with "
@@ -497,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
                 warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}", args.job)
                 prime_compiles(warm)
-                run_real(warm)
+                run_real(warm, server_overrides(1000, args.job))
         for seed in range(args.seeds):
             order = MODES[seed % 4:] + MODES[:seed % 4]
             for mode in order:
@@ -509,10 +528,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          "--real-dir to keep the real runs")
                     r = load_real(saved)
                 else:
-                    r = run_real(cfg)
+                    r = run_real(cfg, server_overrides(seed, args.job))
                     if saved is not None:
                         save_real(r, saved)
-                s = simulate(cfg, args.profile, r["trace"])
+                s = simulate(cfg, args.profile, r["trace"], served=JOBS[args.job].served)
                 real[mode].append(r)
                 sim[mode].append(s)
                 print(f"seed {seed} {mode:7s} real goodput {r['summary']['goodput']:7.2f} "
