@@ -27,6 +27,8 @@ import heapq
 
 LOCK_WINDOW_S = 0.1
 """The window over which the loop's busy share is measured for lock waits."""
+END_SLACK_S = 1e-6
+"""The virtual loop's clock resolution (`tiderl.sim.clock.TICKS_PER_S`)."""
 
 
 class SharedHost:
@@ -51,7 +53,9 @@ class SharedHost:
         return asyncio.get_running_loop().time()
 
     def _in_flight(self, now: float) -> int:
-        while self._ends and self._ends[0] <= now:
+        # Work that ends within the clock's resolution of now has ended: a sleep of its
+        # duration wakes on a whole tick, which can fall a rounding short of its end.
+        while self._ends and self._ends[0] <= now + END_SLACK_S:
             heapq.heappop(self._ends)
         return len(self._ends) + self._elastic
 
