@@ -267,6 +267,19 @@ def _manager(window: tuple[int, int] | None, ranks: list, sched: Any, env: Any, 
                            keep=window[1], image_token=ord(IMAGE))
 
 
+def _stamped_metrics(run_dir: str) -> MetricsSink:
+    """The run's metrics sink; each record also says the real and CPU seconds since now."""
+    metrics = MetricsSink(run_dir, console=False)
+    log, t_real, c_real = metrics.log, time.perf_counter(), time.process_time()
+
+    def stamped(record: dict[str, Any]) -> None:
+        log({**record, "real_s": time.perf_counter() - t_real,
+             "process_s": time.process_time() - c_real})
+
+    metrics.log = stamped  # type: ignore[method-assign]  # instance-level wrapper
+    return metrics
+
+
 async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     costs = build_costs(cfg)
     wl = {w: dataclasses.replace(workload(w), drift_steps=cfg.drift_steps)
@@ -303,61 +316,57 @@ async def _simulate(cfg: SimConfig, run_dir: str) -> dict[str, Any]:
     # With ERS every cell has a rank slot (slot = cell id); cells outside rollout start dead.
     elastic = cfg.mode != "sync"
     n_slots = cfg.gpus // cfg.gpus_per_rank if elastic else cfg.ranks
-    ranks: list[RolloutRank | None] = [await new_rank(i) for i in range(cfg.ranks)]
-    ranks += [None] * (n_slots - cfg.ranks)
     sched = _scheduler(cfg, num_pages, n_slots, max_context)
     colocated = cfg.mode in ("sync", "async", "stream") or not cfg.ref_gpus
     trainer = _trainer(cfg, costs, colocated)
-    actor_gpus = trainer.actor_gpus
-    env = SimAgentEnv(sampler, step_of=lambda: trainer.version)
-    # Rollout and trainer on different nodes unless the job fits one node (or alternates).
-    per_node = costs.profile.device.gpus_per_node if costs.profile.device else cfg.gpus
-    cross = cfg.mode != "sync" and cfg.gpus > per_node
+    try:  # from here the ranks that start are closed however the run ends
+        actor_gpus = trainer.actor_gpus
+        env = SimAgentEnv(sampler, step_of=lambda: trainer.version)
+        # Rollout and trainer on different nodes unless the job fits one node (or alternates).
+        per_node = costs.profile.device.gpus_per_node if costs.profile.device else cfg.gpus
+        cross = cfg.mode != "sync" and cfg.gpus > per_node
 
-    async def sync_weights(weights: Any, version: int) -> None:
-        # sync (hybrid engine): every device gathers the full weights from the FSDP shards;
-        # else a broadcast from the trainer to the rollout ranks.
-        await asyncio.sleep(costs.reshard(cfg.gpus) if cfg.mode == "sync" else
-                            costs.weight_sync(cross_node=cross, gpus_per_rank=cfg.gpus_per_rank))
-        await asyncio.gather(*(r.update_weights(weights, version) for r in manager.ranks
-                               if r is not None))
+        async def sync_weights(weights: Any, version: int) -> None:
+            # sync (hybrid engine): every device gathers the full weights from the FSDP shards;
+            # else a broadcast from the trainer to the rollout ranks.
+            await asyncio.sleep(costs.reshard(cfg.gpus) if cfg.mode == "sync" else
+                                costs.weight_sync(cross_node=cross,
+                                                  gpus_per_rank=cfg.gpus_per_rank))
+            await asyncio.gather(*(r.update_weights(weights, version) for r in manager.ranks
+                                   if r is not None))
 
-    order = "colocated" if colocated else "decoupled"
-    batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu,
-                              order=order, image_token=image_token)
-    layout, apply_roles = _layout(cfg, costs, trainer, batcher, new_rank, colocated)
-    ccfg = ControllerConfig(mode=cfg.mode, steps=cfg.steps, groups_per_step=cfg.groups_per_step,
-                            groups_per_microbatch=cfg.groups_per_microbatch,
-                            max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
-                            console=False, checkpoint_every=0, min_ok_per_group=1,
-                            min_groups_per_step=cfg.min_groups_per_step,
-                            eval_temperature=cfg.eval_temperature,
-                            time_limit_s=cfg.time_limit_s)
-    train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
-                                 group_size=cfg.group_size))
-    evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
-                      group_size=cfg.eval_group_size)
-    manager = _manager(window, ranks, sched, env, tmpl, max_turns)
-    metrics = MetricsSink(run_dir, console=False)
-    log, t_real, c_real = metrics.log, time.perf_counter(), time.process_time()
-
-    def stamped(record: dict[str, Any]) -> None:  # real and CPU seconds since the start
-        log({**record, "real_s": time.perf_counter() - t_real,
-             "process_s": time.process_time() - c_real})
-
-    metrics.log = stamped  # type: ignore[method-assign]  # instance-level wrapper
-    controller = Controller(
-        ccfg, manager=manager, trainer=trainer,
-        hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher,
-                    **({"apply_roles": apply_roles} if apply_roles else {})),
-        train_stream=train,
-        eval_groups=[evals.element(k) for k in range(cfg.eval_groups)] if cfg.eval_every else [],
-        metrics=metrics,
-        buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
-                               max_staleness=cfg.max_staleness, min_ok_per_group=1,
-                               zero_var="keep"),
-        **layout)
-    try:
+        order = "colocated" if colocated else "decoupled"
+        batcher = SimMicroBatcher(n_ranks=actor_gpus, rank_budget=cfg.tokens_per_gpu,
+                                  order=order, image_token=image_token)
+        layout, apply_roles = _layout(cfg, costs, trainer, batcher, new_rank, colocated)
+        ccfg = ControllerConfig(mode=cfg.mode, steps=cfg.steps,
+                                groups_per_step=cfg.groups_per_step,
+                                groups_per_microbatch=cfg.groups_per_microbatch,
+                                max_staleness=cfg.max_staleness, eval_every=cfg.eval_every,
+                                console=False, checkpoint_every=0, min_ok_per_group=1,
+                                min_groups_per_step=cfg.min_groups_per_step,
+                                eval_temperature=cfg.eval_temperature,
+                                time_limit_s=cfg.time_limit_s)
+        train = SeedStream(SimSource(cfg.workloads, "train", groups=1 << 20,
+                                     group_size=cfg.group_size))
+        evals = SimSource(cfg.workloads, "eval", groups=max(1, cfg.eval_groups),
+                          group_size=cfg.eval_group_size)
+        ranks: list[RolloutRank | None] = [await new_rank(i) for i in range(cfg.ranks)]
+        ranks += [None] * (n_slots - cfg.ranks)
+        manager = _manager(window, ranks, sched, env, tmpl, max_turns)
+        metrics = _stamped_metrics(run_dir)
+        controller = Controller(
+            ccfg, manager=manager, trainer=trainer,
+            hooks=Hooks(sync_weights=sync_weights, make_microbatches=batcher,
+                        **({"apply_roles": apply_roles} if apply_roles else {})),
+            train_stream=train,
+            eval_groups=([evals.element(k) for k in range(cfg.eval_groups)]
+                         if cfg.eval_every else []),
+            metrics=metrics,
+            buffer=ReadinessBuffer(groups_per_microbatch=cfg.groups_per_microbatch,
+                                   max_staleness=cfg.max_staleness, min_ok_per_group=1,
+                                   zero_var="keep"),
+            **layout)
         summary = await controller.run()
     finally:
         trainer.close()
