@@ -562,6 +562,81 @@ def test_suite_env_calls_hold_the_event_loop():
     assert ends == pytest.approx([0.16] * 8, abs=1e-6)
 
 
+def test_a_cluster_job_closes_its_ranks_when_building_it_fails(monkeypatch, rank_calls):
+    """Ranks start before the controller is built: an error in between (here the controller's
+    own) still closes every rank that started."""
+    from tiderl.sim import cluster
+
+    started, closed = rank_calls("start"), rank_calls("close")
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("controller refused")
+
+    monkeypatch.setattr(cluster, "Controller", refuse)
+    with pytest.raises(RuntimeError, match="controller refused"):
+        cluster.simulate_job(cluster.SimConfig(steps=1, gpus=4))
+    assert started and sorted(closed) == sorted(started)
+
+
+def test_a_served_env_call_holds_its_server_not_the_event_loop():
+    """With the env served by a process of its own, a call's client half holds the job's loop
+    and its server half the server's one thread: eight calls made at once end one server
+    half apart, a timer due meanwhile fires on time, and the server's work shares the host
+    with an engine step in flight."""
+    import asyncio
+
+    from tiderl.config import load_config
+    from tiderl.sim.clock import run_virtual
+    from tiderl.sim.envs import SimSuiteEnv
+    from tiderl.sim.host import SharedHost
+
+    cfg = load_config(None, ["env.latency.dist=none"]).env
+
+    async def go(engine_first):
+        host = SharedHost(capacity=1.0)
+        env = SimSuiteEnv(cfg, overhead_s=0.001, server_s=0.01, host=host)
+        loop = asyncio.get_running_loop()
+        t0, ends = loop.time(), []
+        if engine_first:
+            host.fixed(1.0)
+
+        async def call(k):
+            await env.start({"task_id": f"t{k}", "target": 3})
+            ends.append(loop.time() - t0)
+
+        async def timer():
+            await asyncio.sleep(0.02)
+            return loop.time() - t0
+
+        t = asyncio.ensure_future(timer())
+        await asyncio.gather(*(call(k) for k in range(8)))
+        return ends, await t
+
+    ends, fired = run_virtual(go(False))
+    # the eight client halves first (held together on the loop), then one server half each
+    assert ends == pytest.approx([0.008 + 0.01 * (k + 1) for k in range(8)], abs=1e-6)
+    assert fired == pytest.approx(0.02, abs=1e-6)  # the loop was free: the timer on time
+    ends, _ = run_virtual(go(True))  # beside the engine step: half the host's one core each
+    assert ends == pytest.approx([0.016 + 0.02 * (k + 1) for k in range(8)], abs=1e-6)
+
+
+def test_the_served_job_is_the_pressure_job_with_its_env_in_another_process(tmp_path):
+    from tiderl.configlib import ConfigError
+    from tiderl.sim.validate import JOBS, run_config, server_overrides
+
+    p = run_config("stream", 2, 0, str(tmp_path), "pressure")
+    s = run_config("stream", 2, 0, str(tmp_path), "served")
+    assert s == p and JOBS["served"].served and not JOBS["pressure"].served
+    assert server_overrides(3, "pressure") is None  # served in-process
+    over = server_overrides(3, "served")
+    assert over[-1] == "latency.seed=3" and "latency.scale_s=0.002" in over
+    assert all(not o.startswith("env.") for o in over)  # the server's own EnvConfig keys
+    client, server = SimCostModel(load_profile("cpu-fitted"), model_shape("tiny")).env_served()
+    assert 0 < client < 0.1 and 0 < server < 0.1
+    with pytest.raises(ConfigError, match="env_client or env_server.*calibrate --host-only"):
+        SimCostModel(load_profile("h100"), model_shape("tiny")).env_served()
+
+
 # -- speed without a different schedule -----------------------------------------------------
 def _looptime_virtual(coro, *, charge_cpu=False, meter=None, host=None):
     """`run_virtual` on looptime's own loop (what `VirtualLoop` replaced)."""

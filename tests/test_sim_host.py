@@ -55,6 +55,10 @@ def test_host_only_rewrites_the_env_call_and_keeps_the_fits(tmp_path):
     after = load_profile(path)
     assert after.op("env_call").c0 == env["seconds"] > 0
     assert after.notes["env_call"]["seconds"] == env["seconds"]
+    # and the same calls with the env served by a process of its own, both halves
+    assert after.op("env_client").c0 == env["served"]["client_s"] > 0
+    assert after.op("env_server").c0 == env["served"]["server_s"] > 0
+    assert after.notes["env_served"]["server_s"] == env["served"]["server_s"]
     assert "in situ" in after.notes["env_call"]["measured_by"]
     for name in ("prefill", "decode", "actor_backward", "apply"):
         assert after.op(name) == before.op(name)
@@ -101,7 +105,8 @@ def test_cpu_meter_on_thread_time_ignores_time_the_thread_did_not_run():
     from tiderl.sim.clock import CpuMeter, run_virtual
 
     async def go():
-        time.sleep(0.05)  # the thread off the CPU, as when other processes take the cores
+        # the thread off the CPU, as when other processes take the cores
+        time.sleep(0.05)  # noqa: ASYNC251
         await asyncio.sleep(0)  # the iteration's time is charged before the next one
         return asyncio.get_running_loop().time()
 
@@ -110,3 +115,42 @@ def test_cpu_meter_on_thread_time_ignores_time_the_thread_did_not_run():
     assert wall.cpu_s >= 0.05
     assert run_virtual(go(), meter=cpu, charge_cpu=True) < 0.03
     assert cpu.cpu_s < 0.03
+
+
+def test_a_served_env_records_the_actions_and_its_cpu_while_serving():
+    """The validation job's env server in a process of its own: a real subprocess on a free
+    loopback port, the actions its adapter received and its CPU time come back when it stops;
+    a bad override is refused with the server's own message."""
+    import asyncio
+    import dataclasses
+
+    from tiderl.envs.client import EnvClient
+    from tiderl.sim.served import ServedEnv
+
+    cfg = _fast_job().env
+    with ServedEnv(["latency.dist=none"]) as srv:
+        assert srv.url.startswith("http://127.0.0.1:")
+
+        async def play():
+            async with EnvClient(srv.url, dataclasses.replace(cfg, url=srv.url)) as env:
+                st = await env.start({"task_id": "t7", "suite": "default", "target": 3})
+                first = await env.step(st.session, "5")
+                second = await env.step(st.session, "3")
+                return st, first, second
+
+        st, first, second = asyncio.run(play())
+    assert "guess" in st.observation and not first.done and second.done
+    assert srv.trace == {("t7", 0): "5", ("t7", 1): "3"}
+    assert math.isfinite(srv.cpu_s) and 0 < srv.cpu_s < 5
+    with pytest.raises(RuntimeError, match="unknown config key 'latency.nope'"):
+        ServedEnv(["latency.nope=1"]).__enter__()
+
+
+def test_env_served_cpu_is_measured_for_both_halves():
+    from tiderl.sim.hostcost import env_served_cpu_s
+
+    m = env_served_cpu_s(_fast_job(), groups=2, repeats=1)
+    assert len(m["client_samples"]) == len(m["server_samples"]) == 1
+    assert 0 < m["client_s"] < 0.1 and 0 < m["server_s"] < 0.1
+    with pytest.raises(ValueError, match="repeats=0"):
+        env_served_cpu_s(_fast_job(), groups=2, repeats=0)

@@ -14,7 +14,9 @@ single timings are noisy; the spread of the repeats is reported as the noise):
   rollout manager, scheduler and rank playing groups with the env over HTTP, less the same
   groups with the adapter called in-process (`tiderl.sim.hostcost`; one call timed alone, the
   old measure, costs less and is kept in the notes). `--host-only` measures just this one
-  (no JAX) and updates the profile in place.
+  (no JAX), and the same calls with the env served by a process of its own (the client's
+  share on the loop, `env_client`, and the server process's CPU, `env_server`), and updates
+  the profile in place.
 
 Each operation's `c0 + max(work_flops / r_flops, work_hbm / r_hbm)` is fitted by least squares
 on relative error, with the work computed by `tiderl.sim.costs` exactly as the simulator
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tiderl.sim.costs import PROFILES, OpCost, Profile, SimCostModel, model_shape, profile_from_dict
-from tiderl.sim.hostcost import env_call_note, host_only, write_profile
+from tiderl.sim.hostcost import env_call_note, env_served_note, host_only, write_profile
 from tiderl.sim.microbench import (
     contention,
     engine_samples,
@@ -168,6 +170,10 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                         repeats=min(repeats, 3))
     env["alone_ms"] = round(statistics.median(alone) * 1e3, 4)
     ops["env_call"] = {"c0": env["seconds"]}
+    served = env_served_note(cfg, ops, engine_rules, groups=8 if quick else 16,
+                             repeats=min(repeats, 3))
+    ops["env_client"], ops["env_server"] = ({"c0": served["client_s"]},
+                                            {"c0": served["server_s"]})
     ops["sample"] = extra["sample"]
     # No offload on the CPU (host memory is the device memory) and no separate Ref devices.
     ops.update({"swap": {"c0": 0.0}, "role_change": {"c0": 0.0}, "context_switch": {"c0": 0.0}})
@@ -185,6 +191,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "slowdown_trainer_beside_rollout": round(host["slowdown_trainer"], 3),
             "slowdown_rollout_beside_trainer": round(host["slowdown_rollout"], 3),
             "env_call": env,
+            "env_served": served,
             "sample": extra["sample_note"],
         },
     }
@@ -244,8 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="re-measure only the siblings' sampling from kept logits (ops.sample) "
                         "and update --out in place")
     p.add_argument("--host-only", action="store_true",
-                   help="re-measure only the host costs (the env call, no JAX) and update --out "
-                        "in place")
+                   help="re-measure only the host costs (the env call in-process and served, "
+                        "no JAX) and update --out in place")
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 3
@@ -255,9 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-calibrate"])
         env = host_only(Path(args.out), cfg, groups=8 if args.quick else 16,
                         repeats=min(args.repeats, 5))
+        served = env["served"]
         print(f"env call: {env['seconds'] * 1e3:.3f} ms of event-loop CPU per call in situ "
-              f"(spread {env['spread']:.0%}); wrote {args.out}")
+              f"(spread {env['spread']:.0%}); served by a process of its own: the client "
+              f"{served['client_s'] * 1e3:.3f} ms on the loop, the server "
+              f"{served['server_s'] * 1e3:.3f} ms; wrote {args.out}")
         print(json.dumps({"profile": args.out, "env_call_s": env["seconds"],
+                          "env_client_s": served["client_s"],
+                          "env_server_s": served["server_s"],
                           "spread": env["spread"]}))
         return 0
 

@@ -14,6 +14,11 @@ in-process server and `EnvClient`, as a job does, and once with the same adapter
 called in-process (`SimSuiteEnv`, what the simulator runs). The difference in the loop
 thread's CPU time, per HTTP call, is the cost. A call measured alone (`calibrate`'s
 `env_times`) costs less: a job's loop carries many connections and tasks at once.
+
+`env_served_cpu_s` measures the same with the env served by a process of its own
+(`tiderl.sim.served`): the loop thread's extra CPU per call is then the client's share
+(`env_client`), and the server process's CPU per call, while it served, the server's
+(`env_server`).
 """
 
 from __future__ import annotations

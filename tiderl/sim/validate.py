@@ -25,7 +25,10 @@ stdout line is one JSON object (`max_goodput_rel_error`, `same_ranking`, ...).
 The real run's parts share this machine's cores (engine, trainer, env server and controller):
 the simulator models that as processor sharing on one host (`tiderl.sim.host`), the env
 calls' client and server work as time held on the event loop (`tiderl.sim.hostcost`), and the
-control plane's own CPU as measured; what it leaves out shows as error here.
+control plane's own CPU as measured; what it leaves out shows as error here. The `served` job
+runs the env server in a process of its own (`tiderl.sim.served`), as a deployed environment
+runs: the loop then holds only the client's half of each call, and the server's half is work
+on the shared host, one call at a time.
 """
 
 from __future__ import annotations
