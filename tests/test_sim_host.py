@@ -59,6 +59,10 @@ def test_host_only_rewrites_the_env_call_and_keeps_the_fits(tmp_path):
     assert after.op("env_client").c0 == env["served"]["client_s"] > 0
     assert after.op("env_server").c0 == env["served"]["server_s"] > 0
     assert after.notes["env_served"]["server_s"] == env["served"]["server_s"]
+    # a second re-measure keeps the one-call-alone figure the first moved into the note
+    alone = after.notes["env_call"]["alone_ms"]
+    again = host_only(path, _fast_job(), groups=2, repeats=1)
+    assert load_profile(path).notes["env_call"]["alone_ms"] == alone == again["alone_ms"] > 0
     assert "in situ" in after.notes["env_call"]["measured_by"]
     for name in ("prefill", "decode", "actor_backward", "apply"):
         assert after.op(name) == before.op(name)
