@@ -521,11 +521,10 @@ def test_shared_host_shares_its_capacity():
         SharedHost(capacity=0)
 
 
-def test_suite_env_calls_hold_the_event_loop():
-    """The real job serves a built-in suite on its own event loop, so an env call's host work
-    holds that loop: eight calls made at once end together, after the eight calls' work, a
-    timer due meanwhile fires only then, and an engine step in flight beside them (on the
-    shared host) makes the held work take longer."""
+def _eight_starts(engine_first, timer_s, **env_kwargs):
+    """Eight env `start` calls made at once on the virtual loop against a `SimSuiteEnv` with
+    `env_kwargs` on a one-core shared host (with an engine step in flight throughout when
+    `engine_first`): (when each ended, when a timer due at `timer_s` fired)."""
     import asyncio
 
     from tiderl.config import load_config
@@ -535,9 +534,9 @@ def test_suite_env_calls_hold_the_event_loop():
 
     cfg = load_config(None, ["env.latency.dist=none"]).env
 
-    async def go(engine_first):
+    async def go():
         host = SharedHost(capacity=1.0)
-        env = SimSuiteEnv(cfg, overhead_s=0.01, host=host)
+        env = SimSuiteEnv(cfg, host=host, **env_kwargs)
         loop = asyncio.get_running_loop()
         t0, ends = loop.time(), []
         if engine_first:
@@ -548,17 +547,25 @@ def test_suite_env_calls_hold_the_event_loop():
             ends.append(loop.time() - t0)
 
         async def timer():
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(timer_s)
             return loop.time() - t0
 
         t = asyncio.ensure_future(timer())
         await asyncio.gather(*(call(k) for k in range(8)))
         return ends, await t
 
-    ends, fired = run_virtual(go(False))
+    return run_virtual(go())
+
+
+def test_suite_env_calls_hold_the_event_loop():
+    """The real job serves a built-in suite on its own event loop, so an env call's host work
+    holds that loop: eight calls made at once end together, after the eight calls' work, a
+    timer due meanwhile fires only then, and an engine step in flight beside them (on the
+    shared host) makes the held work take longer."""
+    ends, fired = _eight_starts(False, 0.001, overhead_s=0.01)
     assert ends == pytest.approx([0.08] * 8, abs=1e-6)
     assert fired == pytest.approx(0.08, abs=1e-6)  # due at 0.001, the loop was held
-    ends, _ = run_virtual(go(True))  # beside the engine step: half the host's one core
+    ends, _ = _eight_starts(True, 0.001, overhead_s=0.01)  # beside the engine step: half a core
     assert ends == pytest.approx([0.16] * 8, abs=1e-6)
 
 
@@ -583,40 +590,12 @@ def test_a_served_env_call_holds_its_server_not_the_event_loop():
     and its server half the server's one thread: eight calls made at once end one server
     half apart, a timer due meanwhile fires on time, and the server's work shares the host
     with an engine step in flight."""
-    import asyncio
-
-    from tiderl.config import load_config
-    from tiderl.sim.clock import run_virtual
-    from tiderl.sim.envs import SimSuiteEnv
-    from tiderl.sim.host import SharedHost
-
-    cfg = load_config(None, ["env.latency.dist=none"]).env
-
-    async def go(engine_first):
-        host = SharedHost(capacity=1.0)
-        env = SimSuiteEnv(cfg, overhead_s=0.001, server_s=0.01, host=host)
-        loop = asyncio.get_running_loop()
-        t0, ends = loop.time(), []
-        if engine_first:
-            host.fixed(1.0)
-
-        async def call(k):
-            await env.start({"task_id": f"t{k}", "target": 3})
-            ends.append(loop.time() - t0)
-
-        async def timer():
-            await asyncio.sleep(0.02)
-            return loop.time() - t0
-
-        t = asyncio.ensure_future(timer())
-        await asyncio.gather(*(call(k) for k in range(8)))
-        return ends, await t
-
-    ends, fired = run_virtual(go(False))
+    ends, fired = _eight_starts(False, 0.02, overhead_s=0.001, server_s=0.01)
     # the eight client halves first (held together on the loop), then one server half each
     assert ends == pytest.approx([0.008 + 0.01 * (k + 1) for k in range(8)], abs=1e-6)
     assert fired == pytest.approx(0.02, abs=1e-6)  # the loop was free: the timer on time
-    ends, _ = run_virtual(go(True))  # beside the engine step: half the host's one core each
+    # beside the engine step: half the host's one core each
+    ends, _ = _eight_starts(True, 0.02, overhead_s=0.001, server_s=0.01)
     assert ends == pytest.approx([0.016 + 0.02 * (k + 1) for k in range(8)], abs=1e-6)
 
 

@@ -135,7 +135,7 @@ def env_served_cpu_s(cfg: Any, costs: Any = None, *, groups: int = 16,
     """The same groups played with the env served by a process of its own
     (`tiderl.sim.served`), as a deployed environment runs: per HTTP call, the loop thread's CPU
     (HTTP minus in-process, as `env_call_cpu_s`: the client's share, `client_s`) and the
-    server process's CPU from when it was ready (`server_s`); medians over `repeats`, each
+    server process's CPU while it served (`server_s`); medians over `repeats`, each
     with a server of its own (an untimed pair first)."""
     from tiderl.sim.served import ServedEnv
 
@@ -160,22 +160,31 @@ def env_served_cpu_s(cfg: Any, costs: Any = None, *, groups: int = 16,
             "client_samples": client, "server_samples": server}
 
 
+def _paced(ops: dict[str, dict[str, float]], engine_rules: dict[str, Any]) -> Any:
+    """The tiny model's cost model from fitted `ops`: what paces the simulated engine."""
+    from tiderl.sim.costs import SimCostModel, model_shape, profile_from_dict
+
+    return SimCostModel(profile_from_dict({"kind": "fitted", "engine": engine_rules,
+                                           "ops": ops}), model_shape("tiny"))
+
+
+def _stamp(load: float, groups: int) -> dict[str, Any]:
+    """When a note was measured, how busy the machine was before, and on how many groups."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "load_before": round(load, 2),
+            "groups": groups}
+
+
 def env_call_note(cfg: Any, ops: dict[str, dict[str, float]], engine_rules: dict[str, Any], *,
                   groups: int, repeats: int) -> dict[str, Any]:
     """Measures the env call's host work in situ (`tiderl.sim.hostcost.env_call_cpu_s`), the
     simulated engine paced by the fitted `ops`; the profile's note on it."""
-    from tiderl.sim.costs import SimCostModel, model_shape, profile_from_dict
-
-    costs = SimCostModel(profile_from_dict({"kind": "fitted", "engine": engine_rules,
-                                            "ops": ops}), model_shape("tiny"))
     load = os.getloadavg()[0]  # the machine may be shared: say how busy it was
-    m = env_call_cpu_s(cfg, costs, groups=groups, repeats=repeats)
+    m = env_call_cpu_s(cfg, _paced(ops, engine_rules), groups=groups, repeats=repeats)
     return {"seconds": m["seconds"], "spread": m["spread"],
             "measured_by": "tiderl.sim.hostcost.env_call_cpu_s: event-loop CPU per HTTP env "
                            "call, in situ (rollout manager, scheduler and rank over the paced "
                            "simulated engine; HTTP minus in-process), median of repeats",
-            "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": round(load, 2),
-            "groups": groups,
+            **_stamp(load, groups),
             "calls_per_repeat": m["calls"],
             "per_call_ms": [round(x * 1e3, 4) for x in m["samples"]]}
 
@@ -210,18 +219,13 @@ def env_served_note(cfg: Any, ops: dict[str, dict[str, float]], engine_rules: di
                     *, groups: int, repeats: int) -> dict[str, Any]:
     """`env_served_cpu_s` over the simulated engine paced by the fitted `ops`; the profile's
     note on it (`ops.env_client`, `ops.env_server`)."""
-    from tiderl.sim.costs import SimCostModel, model_shape, profile_from_dict
-
-    costs = SimCostModel(profile_from_dict({"kind": "fitted", "engine": engine_rules,
-                                            "ops": ops}), model_shape("tiny"))
     load = os.getloadavg()[0]
-    m = env_served_cpu_s(cfg, costs, groups=groups, repeats=repeats)
+    m = env_served_cpu_s(cfg, _paced(ops, engine_rules), groups=groups, repeats=repeats)
     return {"client_s": m["client_s"], "server_s": m["server_s"],
             "measured_by": "tiderl.sim.hostcost.env_served_cpu_s: the env served by a process "
                            "of its own; per HTTP call the loop thread's CPU (HTTP minus "
                            "in-process) and the server process's CPU, medians of repeats",
-            "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": round(load, 2),
-            "groups": groups,
+            **_stamp(load, groups),
             "client_ms": [round(x * 1e3, 4) for x in m["client_samples"]],
             "server_ms": [round(x * 1e3, 4) for x in m["server_samples"]]}
 

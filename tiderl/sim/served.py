@@ -75,7 +75,7 @@ class ServedEnv:
         line = self._proc.stdout.readline() if self._proc.stdout else ""  # the URL line
         if "url=" not in line:
             self._proc.kill()
-            self._proc.wait()
+            self._proc.communicate()  # waits, and closes its stdout pipe
             err = (d / "served.log").read_text().strip()[-2000:]
             self._dir.cleanup()
             raise RuntimeError(f"the env server process did not start (exit code "
