@@ -1,6 +1,7 @@
 """The cluster-scale simulator: cost models, workloads, the simulated engine and trainer, and
 the production control plane on virtual time (no JAX)."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -588,15 +589,63 @@ def test_a_cluster_job_closes_its_ranks_when_building_it_fails(monkeypatch, rank
 def test_a_served_env_call_holds_its_server_not_the_event_loop():
     """With the env served by a process of its own, a call's client half holds the job's loop
     and its server half the server's one thread: eight calls made at once end one server
-    half apart, a timer due meanwhile fires on time, and the server's work shares the host
-    with an engine step in flight."""
+    half apart, a timer due meanwhile fires on time; beside an engine step in flight the
+    client halves (on the job's host) slow down, the server's (a core of its own) do not."""
     ends, fired = _eight_starts(False, 0.02, overhead_s=0.001, server_s=0.01)
     # the eight client halves first (held together on the loop), then one server half each
     assert ends == pytest.approx([0.008 + 0.01 * (k + 1) for k in range(8)], abs=1e-6)
     assert fired == pytest.approx(0.02, abs=1e-6)  # the loop was free: the timer on time
-    # beside the engine step: half the host's one core each
+    # beside the engine step: the client halves at half the host's one core
     ends, _ = _eight_starts(True, 0.02, overhead_s=0.001, server_s=0.01)
-    assert ends == pytest.approx([0.016 + 0.02 * (k + 1) for k in range(8)], abs=1e-6)
+    assert ends == pytest.approx([0.016 + 0.01 * (k + 1) for k in range(8)], abs=1e-6)
+
+
+def test_a_served_envs_queue_keeps_its_pace_while_the_loop_is_held():
+    """The server serves its queue at its own pace: with the job's loop held 4 ms in every
+    iteration by other work, eight calls made at once still end one server half apart (each
+    caller takes its answer at most one held iteration late), not a held iteration or more
+    apart; and the server's work in flight slows the job's host work started meanwhile."""
+    import asyncio
+
+    from tiderl.config import load_config
+    from tiderl.sim.clock import run_virtual
+    from tiderl.sim.envs import SimSuiteEnv
+    from tiderl.sim.host import SharedHost
+
+    cfg = load_config(None, ["env.latency.dist=none"]).env
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        env = SimSuiteEnv(cfg, overhead_s=0.001, server_s=0.01)
+        ends = []
+
+        async def busy():
+            for _ in range(60):
+                loop.hold(0.004)
+                await asyncio.sleep(0)
+
+        async def call(k):
+            await env.start({"task_id": f"t{k}", "target": 3})
+            ends.append(loop.time())
+
+        b = asyncio.ensure_future(busy())
+        await asyncio.gather(*(call(k) for k in range(8)))
+        await b
+        host = SharedHost(capacity=1.0)
+        served = SimSuiteEnv(cfg, server_s=0.01, host=host)
+        c = asyncio.ensure_future(served.start({"task_id": "t9", "target": 3}))
+        await asyncio.sleep(0.001)  # inside the server's half
+        stretched = host.fixed(0.002)
+        await c
+        return ends, stretched
+
+    ends, stretched = run_virtual(go())
+    ends.sort()
+    # one server half apart, each caller at most one held iteration late (with the server's
+    # queue taking turns on the held loop: a held iteration or more between halves, 84 ms+)
+    assert ends[-1] - ends[0] <= 7 * 0.01 + 0.004 + 1e-6
+    assert all(b - a <= 0.01 + 0.004 + 1e-6 for a, b in itertools.pairwise(ends))
+    assert stretched == pytest.approx(0.004)  # two pieces of work on one core
 
 
 def test_the_served_job_is_the_pressure_job_with_its_env_in_another_process(tmp_path):

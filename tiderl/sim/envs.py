@@ -97,8 +97,9 @@ class SimSuiteEnv:
     event loop's CPU time the real client and server spend on it, from the profile's
     `env_call`, measured by `tiderl.sim.hostcost`). With `server_s`, the server runs in a
     process of its own: `overhead_s` is the client's share alone (`env_client`) and each call
-    also takes `server_s` of the server's one thread (`env_server`): on the shared host, one
-    call at a time, but not on the job's event loop.
+    also takes `server_s` of the server's one thread (`env_server`), one call at a time in the
+    order they arrive: a queue that runs at its own pace, not the job's event loop's (its
+    process has a core of its own), its work in flight on the shared host meanwhile.
 
     `trace` ({(task id, turn): action text}, recorded from a real run) replays the real
     policy's actions: the simulated engine only decides how many tokens an action has, so
@@ -120,7 +121,8 @@ class SimSuiteEnv:
         self.pauses = 0
         self._n = 0
         self._loop = asyncio.Lock()  # the event loop the real job serves the suite on
-        self._server = asyncio.Lock()  # the served env's own thread (with `server_s`)
+        self._server_free = 0.0
+        """When the served env's thread (with `server_s`) is next free, on the loop's clock."""
 
     async def _overhead(self) -> None:
         """The call's host work (`overhead_s`): on a `VirtualLoop`, held on the loop (the real
@@ -139,12 +141,21 @@ class SimSuiteEnv:
 
     async def _call(self) -> None:
         """A call's host work: the client's (and an in-process server's) on the job's loop,
-        then a served env's on its own thread."""
+        then a served env's on its own thread. The server's queue is kept on the clock, not
+        in coroutines taking turns: the job's loop, held by other work, delays when the
+        caller takes the answer, not when the server serves the next call."""
         await self._overhead()
-        if self.server_s:
-            h = self.host
-            async with self._server:
-                await asyncio.sleep(h.fixed(self.server_s) if h is not None else self.server_s)
+        if not self.server_s:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self._server_free)
+        end = self._server_free = start + self.server_s
+        if start > now:
+            await asyncio.sleep(start - now)
+        if self.host is not None:  # late when the loop was held: the part left registers
+            self.host.beside(end - loop.time())
+        await asyncio.sleep(max(0.0, end - loop.time()))
 
     async def start(self, task: dict) -> StartResult:
         await self._call()

@@ -13,6 +13,8 @@ work slows down when other work runs beside it (`tiderl.sim.calibrate`).
   that long), at the sharing in effect then;
 - `await elastic(work)`: work that runs until done, its rate re-evaluated whenever other work
   starts or ends (a trainer phase);
+- `beside(work)`: another process's work (a served environment's), on a core of its own: it
+  counts as work in flight for the others and is not slowed itself;
 - `await device_call(seconds)`: a worker thread's device call (an engine step, a weight sync),
   plus its wait for the interpreter lock behind the event loop's thread (`lock_wait`, when
   `lock_wait_s` is set: `tiderl.sim.lockwait`); a trainer phase is `elastic` work followed by
@@ -73,6 +75,16 @@ class SharedHost:
         heapq.heappush(self._ends, now + d)
         self._notify()
         return d
+
+    def beside(self, work_s: float) -> None:
+        """Registers work starting now that runs on a core of its own (another process on the
+        machine, e.g. a served environment): the host's other work shares the machine with it
+        while it runs, and it is not slowed itself (its duration is the caller's)."""
+        if work_s <= 0:
+            return
+        self._in_flight(self._now())
+        heapq.heappush(self._ends, self._now() + work_s)
+        self._notify()
 
     async def elastic(self, work_s: float) -> None:
         """Runs work (seconds at full rate) to completion."""
