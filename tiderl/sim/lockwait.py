@@ -10,8 +10,9 @@ the job (the `pressure` job on this 2-core machine: 2-3x). The model: at the loo
 server busy `u` of the time).
 
 `python -m tiderl.sim.validate --measure-lock-wait` (the real job runs only through the
-validator, an entry point) runs the `pressure` job for real in every mode at seed 1000 (not a
-seed it compares), recording every device call of the engine's prefill (`recorded_calls`:
+validator, an entry point) runs the validated job (`--job`; the `pressure` job when that is
+the default one) for real in every mode at seed 1000 (not a seed it compares), recording
+every device call of the engine's prefill (`recorded_calls`:
 `Engine._run`'s inputs and its time in the job) and the loop thread's CPU over the steps
 (`LoopCpu`, sampled from another thread: `u`), then replays the same calls alone on the same
 engine (`in_job_calls`): `lock_wait_s = mean(in job - alone) * (1 - u) / u`, pooled over the

@@ -488,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reuse-real", action="store_true")
     p.add_argument("--measure-lock-wait", action="store_true",
                    help="measure the engine's wait for the interpreter lock in the real job "
-                        "(host.lock_wait_s; tiderl.sim.lockwait) into the profile and stop")
+                        "(--job; the pressure job for the default one) (host.lock_wait_s; "
+                        "tiderl.sim.lockwait) into the profile and stop")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.seeds = 4, 1
@@ -499,7 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         calibrate.main(["--out", str(profile_path)] + (["--quick"] if args.quick else []))
     if args.calibrate or args.measure_lock_wait:
-        note = measure_lock_wait(profile_path, steps=4 if args.quick else 8,
+        # On the validated job (the served job's loop runs no env server); the default
+        # job's is measured on the pressure job, as it always was.
+        job = "pressure" if args.job == "default" else args.job
+        note = measure_lock_wait(profile_path, steps=4 if args.quick else 8, job=job,
                                  modes=MODES[:2] if args.quick else MODES)
         for r in note["runs"]:
             print(f"{r['mode']:7s} engine call in the job {r['in_job_ms']:.2f} ms vs alone "
