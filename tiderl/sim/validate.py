@@ -469,6 +469,20 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _lock_wait(args: argparse.Namespace, profile_path: Path) -> dict[str, Any]:
+    """`measure_lock_wait` for `main`, on the validated job (the served job's loop runs no env
+    server); the default job's is measured on the pressure job, as it always was."""
+    job = "pressure" if args.job == "default" else args.job
+    note = measure_lock_wait(profile_path, steps=4 if args.quick else 8, job=job,
+                             modes=MODES[:2] if args.quick else MODES)
+    for r in note["runs"]:
+        print(f"{r['mode']:7s} engine call in the job {r['in_job_ms']:.2f} ms vs alone "
+              f"{r['alone_ms']:.2f} ms ({r['replayed']} of {r['calls']} calls), loop busy "
+              f"{r['u']:.0%}")
+    print(f"lock wait {note['seconds'] * 1e3:.3f} ms per u/(1-u); wrote {profile_path}")
+    return note
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tiderl.sim.validate",
                                 description=__doc__.split("\n")[0])
@@ -500,16 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         calibrate.main(["--out", str(profile_path)] + (["--quick"] if args.quick else []))
     if args.calibrate or args.measure_lock_wait:
-        # On the validated job (the served job's loop runs no env server); the default
-        # job's is measured on the pressure job, as it always was.
-        job = "pressure" if args.job == "default" else args.job
-        note = measure_lock_wait(profile_path, steps=4 if args.quick else 8, job=job,
-                                 modes=MODES[:2] if args.quick else MODES)
-        for r in note["runs"]:
-            print(f"{r['mode']:7s} engine call in the job {r['in_job_ms']:.2f} ms vs alone "
-                  f"{r['alone_ms']:.2f} ms ({r['replayed']} of {r['calls']} calls), loop busy "
-                  f"{r['u']:.0%}")
-        print(f"lock wait {note['seconds'] * 1e3:.3f} ms per u/(1-u); wrote {profile_path}")
+        note = _lock_wait(args, profile_path)
         if args.measure_lock_wait:
             print(json.dumps({"profile": str(profile_path), "lock_wait_s": note["seconds"]}))
             return 0
