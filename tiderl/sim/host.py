@@ -82,7 +82,6 @@ class SharedHost:
         while it runs, and it is not slowed itself (its duration is the caller's)."""
         if work_s <= 0:
             return
-        self._in_flight(self._now())
         heapq.heappush(self._ends, self._now() + work_s)
         self._notify()
 
