@@ -5,8 +5,8 @@ micro-benchmarks, and `python -m tiderl.sim.validate` compares the simulator aga
 runs made over another stretch of time. On a shared VM the same computation does not always
 take the same time: this script builds the validation job's trainer (the embedded default
 model and the calibration's settings) once, then every `--every` seconds for `--minutes`
-times `--calls` Ref forwards of one fixed micro-batch (16 rows of 128 tokens, the validation
-job's usual shape) and keeps their median. It prints the series and its spread; the last
+times `--calls` Ref forwards of one fixed micro-batch (`tiderl.sim.speed.SpeedProbe`: 16 rows
+of 128 tokens, the validation job's usual shape) and keeps their median. It prints the series and its spread; the last
 line is one JSON object (`min_ms`, `median_ms`, `max_ms`, `spread`: (max - min) / median,
 `p90_over_p10`).
 
@@ -29,24 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def fixed_batch(cfg, rows_per_rank: int, row_len: int):
-    """A packed micro-batch of 21 sequences of 35-55 tokens (16 rows of `row_len`)."""
-    import numpy as np
-
-    from tiderl.train.dispatch import TrainSequence, microbatches
-
-    rng = np.random.default_rng(0)
-    seqs = []
-    for i, n in enumerate(rng.integers(35, 56, 21)):
-        mask = np.zeros(n, bool)
-        mask[n // 2:] = True
-        seqs.append(TrainSequence(i, rng.integers(1, cfg.model.vocab_size, n).astype(np.int32),
-                                  mask, np.full(n, -4.0, np.float32), 0.5,
-                                  np.zeros(n, np.int32)))
-    mbs, _ = microbatches(seqs, n_ranks=1, row_len=row_len, rows_per_rank=2 * rows_per_rank)
-    return mbs[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=5.0)
@@ -57,42 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.minutes, args.every = 0.5, 5.0
 
-    import jax
-
     from tiderl.config import load_config
-    from tiderl.runtime.build import build
     from tiderl.sim.calibrate import VALIDATION_OVERRIDES
-    from tiderl.train.backend import TrainerBackend
+    from tiderl.sim.speed import SpeedProbe
 
-    cfg = load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-host-drift"])
-    _, _, meshes, graphdef, params = build(cfg)
-    t = cfg.trainer
-    be = TrainerBackend(t, cfg.model, actor_mesh=meshes["actor"], policy=(graphdef, params),
-                        temperature=cfg.rollout.temperature)
-    mb = fixed_batch(cfg, t.rows_per_rank, t.row_len)
-    batch = be.put(mb, "actor")
-    jax.block_until_ready(be.ref_forward(batch))  # compile, untimed
-
-    def sample() -> float:
-        ts = []
-        for _ in range(args.calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(be.ref_forward(batch))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    probe = SpeedProbe(load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/tiderl-drift"]))
+    shape = tuple(probe.mb.tokens_bt.shape)
 
     series = []
     start = time.monotonic()
     while True:
-        s = sample()
+        s = probe(args.calls)
         series.append(s)
         at = time.monotonic() - start
-        print(f"{at:7.1f} s  Ref forward {tuple(mb.tokens_bt.shape)}: {s * 1e3:.2f} ms "
+        print(f"{at:7.1f} s  Ref forward {shape}: {s * 1e3:.2f} ms "
               f"(median of {args.calls})", flush=True)
         if at + args.every > args.minutes * 60:
             break
         time.sleep(args.every)
-    be.close()
+    probe.close()
     q = sorted(series)
     med = statistics.median(q)
     figures = {"samples": len(q), "calls_per_sample": args.calls, "every_s": args.every,

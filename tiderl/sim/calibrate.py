@@ -48,6 +48,7 @@ from tiderl.sim.microbench import (
     sync_times,
     trainer_samples,
 )
+from tiderl.sim.speed import PROBE_CALLS, SpeedProbe
 
 VALIDATION_OVERRIDES = [
     "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
@@ -138,9 +139,13 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                     profile_from_dict({"kind": "fitted", "engine": engine_rules}).engine, {})
     costs = SimCostModel(shell, tiny)
     t0 = time.perf_counter()
+    probe = SpeedProbe(cfg)  # the machine's speed while the samples are taken (tiderl.sim.speed)
+    probes = [probe()]
     eng = engine_samples(cfg, graphdef, params, devices[plan.rollout[0][0]], costs, repeats,
                          quick)
+    probes.append(probe())
     tr = trainer_samples(cfg, graphdef, params, meshes, costs, repeats, quick)
+    probes.append(probe())
     sync = sync_times(tr["backend"], devices[plan.rollout[0][0]], cfg, graphdef, params,
                       repeats)
     host = contention(cfg, graphdef, params, devices[plan.rollout[0][0]], tr["backend"],
@@ -148,6 +153,8 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     tr["backend"].close()
     alone = env_times(cfg, repeats)
     extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats)
+    probes.append(probe())
+    probe.close()
     ops: dict[str, dict[str, float]] = {}
     report: dict[str, Any] = {"mape": {}, "noise": {}, "samples": {}}
     for group in (eng, tr):
@@ -193,6 +200,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "env_call": env,
             "env_served": served,
             "sample": extra["sample_note"],
+            "speed_probe": speed_note(probes),
         },
     }
     return profile, report
@@ -208,6 +216,15 @@ def engine_host(cfg: Any, graphdef: Any, params: Any, device: Any, repeats: int
     return {"sample": {"c0": cost.c0, **dict(cost.rates)},
             "sample_note": {"mape": round(mape, 4),
                             "ms_by_siblings": {n: round(y * 1e3, 4) for n, y in samples}}}
+
+
+def speed_note(probes: Sequence[float]) -> dict[str, Any]:
+    """`notes.speed_probe`: the probe's median over the calibration (before, between and after
+    the measurements), the speed the validator scales the profile from."""
+    return {"seconds": statistics.median(probes), "samples_ms": [round(p * 1e3, 3) for p in probes],
+            "measured_by": f"tiderl.sim.speed.SpeedProbe: median of {PROBE_CALLS} Ref forwards "
+                           "of one fixed 16x128 micro-batch, at the calibration's start, "
+                           "between its parts and at its end"}
 
 
 def keep_lock_wait(path: Path, profile: dict[str, Any]) -> None:

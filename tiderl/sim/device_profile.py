@@ -94,6 +94,19 @@ class Profile:
     memory: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Per-device memory facts (`tiderl.sim.memory`): `runtime_bytes`."""
 
+    def scaled(self, factor: float) -> Profile:
+        """The same profile on a machine `factor` times slower: every operation's time (its
+        constant and its rates) and the interpreter lock's wait scale by `factor`; the host's
+        effective cores (a ratio) do not."""
+        if factor <= 0:
+            raise ValueError(f"speed factor {factor} must be positive")
+        ops = {k: OpCost(v.c0 * factor, tuple((n, r / factor) for n, r in v.rates))
+               for k, v in self.ops.items()}
+        host = dict(self.host)
+        if "lock_wait_s" in host:
+            host["lock_wait_s"] *= factor
+        return dataclasses.replace(self, ops=ops, host=host)
+
     def op(self, name: str) -> OpCost:
         if name not in self.ops:
             raise ConfigError(f"profile {self.name!r} has no cost for operation {name!r}; add "

@@ -49,9 +49,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiderl.configlib import ConfigError
 from tiderl.sim.calibrate import VALIDATION_OVERRIDES
 from tiderl.sim.clock import CpuMeter, run_virtual
 from tiderl.sim.costs import PROFILES, SimCostModel, load_profile, model_shape
+from tiderl.sim.speed import speed_factor
 
 MODES = ("sync", "async", "stream", "tiderl")
 METRICS = ("goodput", "step_time_s", "rwt_s", "twt_s", "kv_hit_rate", "prefill_computed",
@@ -207,12 +209,15 @@ async def _simulate(cfg: Any, costs: SimCostModel, run_dir: str,
 
 def simulate(cfg: Any, profile: str = "cpu-fitted",
              trace: dict[tuple[str, int], str] | None = None, *,
-             charge_cpu: bool = True, served: bool = False) -> dict[str, Any]:
+             charge_cpu: bool = True, served: bool = False, speed: float = 1.0
+             ) -> dict[str, Any]:
     """The simulated twin of `run_real(cfg)`; `trace` replays a real run's actions. With
     `charge_cpu` the control plane's own host time (measured per loop iteration) is charged
     to the virtual clock, as the real run's event loop spends it; `served`: the env served by
-    another process, as `run_real(cfg, served=...)` serves it."""
-    costs = SimCostModel(load_profile(profile), model_shape("tiny"))
+    another process, as `run_real(cfg, served=...)` serves it; `speed`: the profile's timed
+    costs scaled by it (`Profile.scaled`: the machine that many times slower than at its
+    fit, `tiderl.sim.speed`)."""
+    costs = SimCostModel(load_profile(profile).scaled(speed), model_shape("tiny"))
     meter = CpuMeter(clock=time.thread_time)  # this process's CPU, not the machine's load
     with tempfile.TemporaryDirectory() as tmp:
         out = run_virtual(_simulate(cfg, costs, tmp, trace, served), meter=meter,
@@ -334,6 +339,7 @@ def save_real(r: dict[str, Any], path: Path) -> None:
                                 "real_s": r["real_s"], "cpu_s": r.get("cpu_s"),
                                 "loadavg": r.get("loadavg"),
                                 "server_cpu_s": r.get("server_cpu_s"),
+                                "probe_s": r.get("probe_s"),
                                 "trace": [[t, k, a] for (t, k), a in r["trace"].items()]},
                                default=str))
 
@@ -469,6 +475,53 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _real_runs(args: argparse.Namespace, keep: Path | None) -> dict[tuple[str, int], dict]:
+    """The real runs by (mode, seed): run now (modes rotated per seed, after an untimed
+    warm-up per mode; the speed probe timed before and after each run, `probe_s`), or with
+    `--reuse-real` loaded from `--real-dir`."""
+    runs: dict[tuple[str, int], dict] = {}
+    probe = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.reuse_real:
+            from tiderl.config import load_config
+            from tiderl.sim.speed import SpeedProbe
+
+            for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
+                warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}", args.job)
+                prime_compiles(warm)
+                run_real(warm, server_overrides(1000, args.job))
+            probe = SpeedProbe(load_config(None, VALIDATION_OVERRIDES + [f"run_dir={tmp}/p"]))
+        for seed in range(args.seeds):
+            order = MODES[seed % 4:] + MODES[:seed % 4]
+            for mode in order:
+                saved = keep / f"{mode}-{seed}.json" if keep is not None else None
+                if args.reuse_real:
+                    if saved is None or not saved.is_file():
+                        raise SystemExit(f"--reuse-real: {saved} not found; run once with "
+                                         "--real-dir to keep the real runs")
+                    runs[mode, seed] = load_real(saved)
+                    continue
+                assert probe is not None
+                cfg = run_config(mode, args.steps, seed, f"{tmp}/{mode}-{seed}", args.job)
+                before = probe()
+                r = run_real(cfg, server_overrides(seed, args.job))
+                r["probe_s"] = [before, probe()]
+                if saved is not None:
+                    save_real(r, saved)
+                runs[mode, seed] = r
+        if probe is not None:
+            probe.close()
+    return runs
+
+
+def _profile_notes(path: Path) -> dict[str, Any]:
+    """A profile's notes; empty when it has none or is not there (`simulate` says so)."""
+    try:
+        return dict(load_profile(path).notes or {})
+    except ConfigError:
+        return {}
+
+
 def _lock_wait(args: argparse.Namespace, profile_path: Path) -> dict[str, Any]:
     """`measure_lock_wait` for `main`, on the validated job (the served job's loop runs no env
     server); the default job's is measured on the pressure job, as it always was."""
@@ -500,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="keep each real run (records, summary, action trace) here as JSON; with "
                         "--reuse-real, simulate against the runs found there instead")
     p.add_argument("--reuse-real", action="store_true")
+    p.add_argument("--no-speed", action="store_true",
+                   help="do not scale the profile by the real runs' speed probe over the "
+                        "calibration's (tiderl.sim.speed)")
     p.add_argument("--measure-lock-wait", action="store_true",
                    help="measure the engine's wait for the interpreter lock in the real job "
                         "(--job; the pressure job for the default one) (host.lock_wait_s; "
@@ -518,38 +574,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.measure_lock_wait:
             print(json.dumps({"profile": str(profile_path), "lock_wait_s": note["seconds"]}))
             return 0
-    real: dict[str, list] = {m: [] for m in MODES}
-    sim: dict[str, list] = {m: [] for m in MODES}
     keep = Path(args.real_dir) if args.real_dir else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
+    runs = _real_runs(args, keep)
+    factor = None if args.no_speed else speed_factor(
+        _profile_notes(profile_path), [p for r in runs.values() for p in r.get("probe_s") or ()])
+    if factor is not None:
+        print(f"speed: the real runs' probe is {factor:.3f}x the calibration's; the profile's "
+              "timed costs are scaled by it (--no-speed: not)")
+    real: dict[str, list] = {m: [] for m in MODES}
+    sim: dict[str, list] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
-        if not args.reuse_real:
-            for mode in MODES:  # warm-up: compile every kernel the mode uses (untimed)
-                warm = run_config(mode, 2, 1000, f"{tmp}/warm-{mode}", args.job)
-                prime_compiles(warm)
-                run_real(warm, server_overrides(1000, args.job))
-        for seed in range(args.seeds):
-            order = MODES[seed % 4:] + MODES[:seed % 4]
-            for mode in order:
-                cfg = run_config(mode, args.steps, seed, f"{tmp}/{mode}-{seed}", args.job)
-                saved = keep / f"{mode}-{seed}.json" if keep is not None else None
-                if args.reuse_real:
-                    if saved is None or not saved.is_file():
-                        raise SystemExit(f"--reuse-real: {saved} not found; run once with "
-                                         "--real-dir to keep the real runs")
-                    r = load_real(saved)
-                else:
-                    r = run_real(cfg, server_overrides(seed, args.job))
-                    if saved is not None:
-                        save_real(r, saved)
-                s = simulate(cfg, args.profile, r["trace"], served=JOBS[args.job].served)
-                real[mode].append(r)
-                sim[mode].append(s)
-                print(f"seed {seed} {mode:7s} real goodput {r['summary']['goodput']:7.2f} "
-                      f"({r['real_s']:5.1f} s)  sim {s['summary']['goodput']:7.2f} "
-                      f"({s['cpu_s']:4.1f} s cpu); real run got {r.get('cpu_s') or 0:5.1f} s "
-                      f"cpu, load average {r.get('loadavg') or 0:4.1f}", flush=True)
+        for (mode, seed), r in runs.items():
+            cfg = run_config(mode, args.steps, seed, f"{tmp}/{mode}-{seed}", args.job)
+            s = simulate(cfg, args.profile, r["trace"], served=JOBS[args.job].served,
+                         speed=factor or 1.0)
+            real[mode].append(r)
+            sim[mode].append(s)
+            print(f"seed {seed} {mode:7s} real goodput {r['summary']['goodput']:7.2f} "
+                  f"({r['real_s']:5.1f} s)  sim {s['summary']['goodput']:7.2f} "
+                  f"({s['cpu_s']:4.1f} s cpu); real run got {r.get('cpu_s') or 0:5.1f} s "
+                  f"cpu, load average {r.get('loadavg') or 0:4.1f}", flush=True)
     res = compare(real, sim)
     print_table(res)
     if args.out:
@@ -575,7 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             **{f"engine_steps_sim_over_real_{m}": v["sim"]["engine_steps"]
                / v["real"]["engine_steps"] for m, v in res["modes"].items()
                if v["real"]["engine_steps"] > 0},
-            "steps": args.steps, "seeds": args.seeds, "profile": args.profile, "job": args.job}
+            "speed_factor": factor, "steps": args.steps, "seeds": args.seeds,
+            "profile": args.profile, "job": args.job}
     print(json.dumps(head, default=float))
     return 0
 
