@@ -6,9 +6,9 @@ runs made over another stretch of time. On a shared VM the same computation does
 take the same time: this script builds the validation job's trainer (the embedded default
 model and the calibration's settings) once, then every `--every` seconds for `--minutes`
 times `--calls` Ref forwards of one fixed micro-batch (`tiderl.sim.speed.SpeedProbe`: 16 rows
-of 128 tokens, the validation job's usual shape) and keeps their median. It prints the series and its spread; the last
-line is one JSON object (`min_ms`, `median_ms`, `max_ms`, `spread`: (max - min) / median,
-`p90_over_p10`).
+of 128 tokens, the validation job's usual shape) and keeps their median. It prints the series
+and its spread; the last line is one JSON object (`min_ms`, `median_ms`, `max_ms`,
+`spread`: (max - min) / median, `p90_over_p10`).
 
     python benchmarks/host_drift.py [--minutes 5] [--every 15] [--calls 20] [--quick]
 

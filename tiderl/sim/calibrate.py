@@ -18,6 +18,12 @@ single timings are noisy; the spread of the repeats is reported as the noise):
   share on the loop, `env_client`, and the server process's CPU, `env_server`), and updates
   the profile in place.
 
+The machine's speed drifts from one minute to the next on a shared VM, so the speed probe
+(`tiderl.sim.speed.SpeedProbe`, one fixed Ref forward) is timed right after every engine and
+trainer sample, each sample is put at the probe's median speed before the fit
+(`at_one_speed`), and that median is kept (`notes.speed_probe`): the validator scales the
+profile to the speed its real runs were made at.
+
 Each operation's `c0 + max(work_flops / r_flops, work_hbm / r_hbm)` is fitted by least squares
 on relative error, with the work computed by `tiderl.sim.costs` exactly as the simulator
 computes it (so the fit also absorbs what the work formulas miss). The per-operation MAPE and
@@ -48,7 +54,10 @@ from tiderl.sim.microbench import (
     sync_times,
     trainer_samples,
 )
-from tiderl.sim.speed import PROBE_CALLS, SpeedProbe
+from tiderl.sim.speed import SpeedProbe
+
+PROBE_LOCAL_CALLS = 5
+"""Calls of the speed probe after each sample (about 60 ms on a 2-core VM)."""
 
 VALIDATION_OVERRIDES = [
     "controller.groups_per_step=4", "controller.groups_per_microbatch=1",
@@ -139,13 +148,16 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
                     profile_from_dict({"kind": "fitted", "engine": engine_rules}).engine, {})
     costs = SimCostModel(shell, tiny)
     t0 = time.perf_counter()
-    probe = SpeedProbe(cfg)  # the machine's speed while the samples are taken (tiderl.sim.speed)
-    probes = [probe()]
+    probe = SpeedProbe(cfg)  # the machine's speed beside every sample (tiderl.sim.speed)
+
+    def local() -> float:
+        return probe(calls=PROBE_LOCAL_CALLS)
+
     eng = engine_samples(cfg, graphdef, params, devices[plan.rollout[0][0]], costs, repeats,
-                         quick)
-    probes.append(probe())
-    tr = trainer_samples(cfg, graphdef, params, meshes, costs, repeats, quick)
-    probes.append(probe())
+                         quick, probe=local)
+    tr = trainer_samples(cfg, graphdef, params, meshes, costs, repeats, quick, probe=local)
+    probe_s = at_one_speed(eng, tr)
+    probe.close()
     sync = sync_times(tr["backend"], devices[plan.rollout[0][0]], cfg, graphdef, params,
                       repeats)
     host = contention(cfg, graphdef, params, devices[plan.rollout[0][0]], tr["backend"],
@@ -153,8 +165,6 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
     tr["backend"].close()
     alone = env_times(cfg, repeats)
     extra = engine_host(cfg, graphdef, params, devices[plan.rollout[0][0]], repeats)
-    probes.append(probe())
-    probe.close()
     ops: dict[str, dict[str, float]] = {}
     report: dict[str, Any] = {"mape": {}, "noise": {}, "samples": {}}
     for group in (eng, tr):
@@ -200,7 +210,7 @@ def calibrate(*, repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, A
             "env_call": env,
             "env_served": served,
             "sample": extra["sample_note"],
-            "speed_probe": speed_note(probes),
+            "speed_probe": speed_note(probe_s),
         },
     }
     return profile, report
@@ -218,13 +228,34 @@ def engine_host(cfg: Any, graphdef: Any, params: Any, device: Any, repeats: int
                             "ms_by_siblings": {n: round(y * 1e3, 4) for n, y in samples}}}
 
 
+def at_one_speed(*groups: dict[str, Any]) -> list[float]:
+    """Puts the engine's and the trainer's samples at one speed of the machine: each sample's
+    seconds times the median probe over its own probe (`meta["probe_s"]`, timed right after
+    it), so a sample taken while the machine ran slow (a shared VM drifts by tens of percent
+    within minutes) counts at the speed of the rest. Returns the probes."""
+    probes = [meta["probe_s"] for g in groups for samples in g["samples"].values()
+              for _, _, meta in samples if meta.get("probe_s")]
+    if not probes:
+        return []
+    ref = statistics.median(probes)
+    for g in groups:
+        for name, samples in g["samples"].items():
+            g["samples"][name] = [(w, y * ref / meta["probe_s"], meta)
+                                  if meta.get("probe_s") else (w, y, meta)
+                                  for w, y, meta in samples]
+    return probes
+
+
 def speed_note(probes: Sequence[float]) -> dict[str, Any]:
-    """`notes.speed_probe`: the probe's median over the calibration (before, between and after
-    the measurements), the speed the validator scales the profile from."""
-    return {"seconds": statistics.median(probes), "samples_ms": [round(p * 1e3, 3) for p in probes],
-            "measured_by": f"tiderl.sim.speed.SpeedProbe: median of {PROBE_CALLS} Ref forwards "
-                           "of one fixed 16x128 micro-batch, at the calibration's start, "
-                           "between its parts and at its end"}
+    """`notes.speed_probe`: the probe's median over the calibration's samples, the speed the
+    fitted costs are at and the validator scales the profile from."""
+    q = sorted(probes)
+    return {"seconds": statistics.median(q), "samples": len(q),
+            "p10_ms": round(q[len(q) // 10] * 1e3, 3),
+            "p90_ms": round(q[(9 * len(q)) // 10] * 1e3, 3),
+            "measured_by": f"tiderl.sim.speed.SpeedProbe: median of {PROBE_LOCAL_CALLS} Ref "
+                           "forwards of one fixed 16x128 micro-batch, right after each engine "
+                           "and trainer sample; each sample is fitted at this median speed"}
 
 
 def keep_lock_wait(path: Path, profile: dict[str, Any]) -> None:

@@ -28,6 +28,14 @@ from typing import Any
 
 from tiderl.sim.costs import SimCostModel
 
+Probe = Callable[[], float] | None
+"""The machine's speed now (`tiderl.sim.speed.SpeedProbe`), timed right after each sample so
+the calibration can put every sample at one speed; None: not probed."""
+
+
+def _probed(probe: Probe) -> dict[str, float]:
+    return {"probe_s": probe()} if probe is not None else {}
+
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
     """(median seconds, relative spread (IQR / median)) of `fn` over `repeats` calls."""
@@ -43,7 +51,7 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 
 def engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: SimCostModel,
-                   repeats: int, quick: bool) -> dict[str, list]:
+                   repeats: int, quick: bool, probe: Probe = None) -> dict[str, list]:
     import jax
 
     from tiderl.serving.engine import Engine
@@ -92,8 +100,8 @@ def engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: Sim
                     call()  # warm-up (compiles the bucket)
                     med, spread = _median_time(call, repeats)
                 rows = [(cached, new)] * b
-                out["prefill"].append((costs.prefill_work(rows), med, {"rows": b, "new": new,
-                                                                        "cached": cached}))
+                out["prefill"].append((costs.prefill_work(rows), med, {
+                    "rows": b, "new": new, "cached": cached, **_probed(probe)}))
                 noise["prefill"].append(spread)
     for b in ((1, 8, 64) if quick else (1, 2, 4, 8, 16, 32, 64)):
         for ctx in ((8, 80) if quick else (8, 40, 90)):
@@ -109,7 +117,7 @@ def engine_samples(cfg: Any, graphdef: Any, params: Any, device: Any, costs: Sim
             for h in hs:
                 eng.free(h)
             w = costs.decode_work(batch=b, context_sum=b * ctx)
-            out["decode"].append(([w], med, {"rows": b, "context": ctx}))
+            out["decode"].append(([w], med, {"rows": b, "context": ctx, **_probed(probe)}))
             noise["decode"].append(spread)
     return {"samples": out, "noise": noise}
 
@@ -159,7 +167,7 @@ def _decode_keep(eng: Any) -> None:
 
 
 def trainer_samples(cfg: Any, graphdef: Any, params: Any, meshes: dict, costs: SimCostModel,
-                    repeats: int, quick: bool) -> dict[str, list]:
+                    repeats: int, quick: bool, probe: Probe = None) -> dict[str, list]:
     import jax
 
     from tiderl.train.backend import TrainerBackend
@@ -205,13 +213,14 @@ def trainer_samples(cfg: Any, graphdef: Any, params: Any, meshes: dict, costs: S
             med, spread = _median_time(fn, repeats)
             w = costs.train_work([lens], row_len=t.row_len, backward=False)
             out[name].append(([w], med, {"seqs": len(lens), "tokens": sum(lens),
-                                         "rows": mb.tokens_bt.shape[0]}))
+                                         "rows": mb.tokens_bt.shape[0], **_probed(probe)}))
             noise[name].append(spread)
         ts = sorted(act_b() for _ in range(repeats))
         med = statistics.median(ts)
         w = costs.train_work([lens], row_len=t.row_len, backward=True)
         out["actor_backward"].append(([w], med, {"seqs": len(lens), "tokens": sum(lens),
-                                                 "rows": mb.tokens_bt.shape[0]}))
+                                                 "rows": mb.tokens_bt.shape[0],
+                                                 **_probed(probe)}))
         noise["actor_backward"].append((ts[(3 * len(ts)) // 4] - ts[len(ts) // 4]) / med)
         for _ in range(repeats):
             t0 = time.perf_counter()

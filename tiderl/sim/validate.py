@@ -18,6 +18,11 @@ their per-seed goodputs do not overlap, or, paired by seed (each seed plays the 
 environment latencies in every mode), a paired t-test puts one above the other at the 5%
 level; `unresolved_pairs` names the others, `overlapping_pairs` the pairs whose ranges
 overlap).
+The machine's speed drifts (a shared VM), so each real run is bracketed by the speed probe
+(`tiderl.sim.speed`, `probe_s` in the saved run) and the simulated side is priced by the
+profile scaled by the runs' median probe over the calibration's (`speed_factor` in the
+output; `--no-speed` leaves the profile as fitted; runs or profiles without a probe are not
+scaled).
 With `--calibrate` the profile is refitted first, under the machine's current load, and
 the engine's lock wait in the job measured (`--measure-lock-wait` alone: `measure_lock_wait`). The last
 stdout line is one JSON object (`max_goodput_rel_error`, `same_ranking`, ...).
