@@ -79,7 +79,9 @@ def test_the_probe_times_one_fixed_microbatch():
     from tiderl.sim.calibrate import VALIDATION_OVERRIDES
     from tiderl.sim.speed import SpeedProbe
 
-    probe = SpeedProbe(load_config(None, VALIDATION_OVERRIDES + ["run_dir=/tmp/t-probe"]))
+    # The test process's JAX has the suite's 8 fake devices already.
+    probe = SpeedProbe(load_config(None, VALIDATION_OVERRIDES + [
+        "run_dir=/tmp/t-probe", "cluster.fake_cpu_devices=8"]))
     try:
         assert probe.mb.tokens_bt.shape == (16, 128) and probe.mb.n_seqs == 21
         assert 0 < probe(calls=3) < 5.0
